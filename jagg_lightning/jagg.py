@@ -1,0 +1,237 @@
+"""JAGG: Jacobian-aggregated window gradients over the trained steps of a trajectory.
+
+With g_k = dL_k/dv_k and J_k = dv_theta(z_k, t_k)/dtheta the exact policy gradient is
+sum_k J_k^T g_k: one transformer backward per trained step. Over a window a..b with
+alpha_k = (t_a - t_k) / (t_a - t_b), JAGG uses J_k ~ (1 - alpha_k) J_a + alpha_k J_b, so
+
+    sum_{k=a..b} J_k^T g_k  ~  J_a^T G_a + J_b^T G_b,
+    G_a = sum_k (1 - alpha_k) g_k,    G_b = sum_k alpha_k g_k,
+
+which is the gradient of <v(z_a, t_a), G_a> + <v(z_b, t_b), G_b> with G held fixed: ONE forward
+with grad over both anchors (batched) and ONE backward replace W forwards and W backwards.
+
+The engine (:func:`accumulate_gradients`) generalises this to any mix of windows: every step that
+gets a backward ("pass step": an anchor of a routed window, or any step of an exact window) carries an
+upstream tensor U_k = g_k + (the G contributions of routed windows' interior steps). Interior g_k come
+from a no-grad forward or, while theta is still the rollout's theta, from the rollout's recorded
+velocities. Chained windows share anchors, and a shared anchor gets one backward, not two.
+See docs/method.md for the exactness proof and the cost model. Plain torch: no Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from jagg_lightning.batching import batch_concat
+
+VelocityFn = Callable[[Tensor, Tensor, Any], Tensor]
+"""v(z [n, ...], t [n], cond) -> velocity [n, ...]; ``cond`` is batch-first (tensor or tuple of tensors)."""
+
+StepLossFn = Callable[[int, Tensor], Tensor]
+"""(sampling step k, velocity [B, ...]) -> scalar: step k's share of the objective being minimised."""
+
+
+@dataclass
+class Window:
+    """A run of consecutive sampling steps; its anchors are the first and last step."""
+
+    steps: tuple[int, ...]
+    score: float = 0.0  # interpolation residual: lower is more linear
+    routed: bool = False  # True: JAGG (anchor backward only); False: exact per-step backward
+
+    @property
+    def anchors(self) -> tuple[int, int]:
+        return self.steps[0], self.steps[-1]
+
+    @property
+    def interior(self) -> tuple[int, ...]:
+        return self.steps[1:-1]
+
+
+@dataclass
+class WindowRecord:
+    """What the engine did for one window, counted, not assumed."""
+
+    steps: tuple[int, ...]
+    score: float
+    routed: bool
+    grad_forwards: int = 0
+    nograd_forwards: int = 0
+    backwards: int = 0
+    cached_steps: int = 0  # interior steps whose velocity came from the rollout cache
+
+
+def plan_windows(steps: Sequence[int], window_size: int, chained: bool = False) -> list[Window]:
+    """Cut consecutive trained ``steps`` into windows of ``window_size`` steps.
+
+    Disjoint windows tile the steps; chained windows overlap by one step (b of one window is a of the
+    next). What is left at the end is a shorter tail window, always run exact by :func:`route_windows`.
+    """
+    steps = list(steps)
+    if window_size < 2:
+        raise ValueError(f"window_size must be >= 2, got {window_size}")
+    if window_size > len(steps):
+        raise ValueError(f"window_size must be <= the number of trained steps ({len(steps)}), got {window_size}")
+    if any(b - a != 1 for a, b in zip(steps, steps[1:])):
+        raise ValueError(f"trained steps must be consecutive, got {steps}")
+    stride = window_size - 1 if chained else window_size
+    windows, start = [], 0
+    while start < len(steps):
+        chunk = steps[start : start + window_size]
+        if chained and len(chunk) == 1 and windows:
+            break  # the last anchor already closes the previous window
+        windows.append(Window(tuple(chunk)))
+        start += stride
+    return windows
+
+
+def alphas(times: Tensor, steps: Sequence[int]) -> Tensor:
+    """alpha_k = (t_a - t_k) / (t_a - t_b) for the window's steps (float64)."""
+    t = times.to(torch.float64)[list(steps)]
+    return (t[0] - t) / (t[0] - t[-1])
+
+
+def composite_gradients(g: Sequence[Tensor], alpha: Tensor) -> tuple[Tensor, Tensor]:
+    """G_a = sum_k (1 - alpha_k) g_k and G_b = sum_k alpha_k g_k."""
+    g_a = sum((1 - float(al)) * gk for gk, al in zip(g, alpha))
+    g_b = sum(float(al) * gk for gk, al in zip(g, alpha))
+    return g_a, g_b
+
+
+def interpolation_residual(velocities: Tensor, times: Tensor, steps: Sequence[int]) -> float:
+    """Routing score of a window: mean over interior k and samples of ||v_k - lerp_t(v_a, v_b)|| / ||v_k||.
+
+    ``velocities`` are the rollout's recorded velocities [S, B, ...] (no extra pass); 0 for W = 2.
+    """
+    steps = list(steps)
+    if len(steps) <= 2:
+        return 0.0
+    alpha = alphas(times, steps)
+    v = velocities[steps].to(torch.float64).flatten(2)  # [W, B, D]
+    interp = (1 - alpha)[:, None, None] * v[0] + alpha[:, None, None] * v[-1]
+    residual = (v - interp).norm(dim=-1) / v.norm(dim=-1).clamp_min(1e-12)
+    return float(residual[1:-1].mean())
+
+
+def route_windows(
+    windows: list[Window],
+    scores: Sequence[float],
+    jagg_frac: float,
+    window_size: int,
+    score_limit: float | None = None,
+) -> list[Window]:
+    """Route the ``jagg_frac`` share of full-size windows with the smallest residual to JAGG.
+
+    Short tail windows stay exact; a window whose score exceeds ``score_limit`` stays exact.
+    jagg_frac = 0 routes nothing (exact GRPO); 1 routes every eligible window.
+    """
+    if not 0.0 <= jagg_frac <= 1.0:
+        raise ValueError(f"jagg_frac must be in [0, 1], got {jagg_frac}")
+    for w, s in zip(windows, scores, strict=True):
+        w.score, w.routed = float(s), False
+    eligible = [w for w in windows if len(w.steps) == window_size]
+    count = int(jagg_frac * len(eligible) + 0.5)
+    for w in sorted(eligible, key=lambda w: w.score)[:count]:
+        if score_limit is None or w.score <= score_limit:
+            w.routed = True
+    return windows
+
+
+@dataclass
+class _Engine:
+    velocity_fn: VelocityFn
+    latents: Tensor  # [S + 1, B, ...]
+    times: Tensor  # [S + 1]
+    cond: Any
+    step_loss: StepLossFn
+    backward: Callable[[Tensor], None]
+    upstream: dict[int, Tensor] = field(default_factory=dict)
+
+    def own_gradient(self, k: int, v: Tensor) -> Tensor:
+        """g_k = dL_k/dv_k at the (detached) velocity ``v``."""
+        leaf = v.detach().requires_grad_(True)
+        with torch.enable_grad():
+            (g,) = torch.autograd.grad(self.step_loss(k, leaf), leaf)
+        return g
+
+    def time_batch(self, k: int) -> Tensor:
+        return self.times[k].expand(self.latents.shape[1])
+
+    def add_upstream(self, k: int, g: Tensor) -> None:
+        self.upstream[k] = g if k not in self.upstream else self.upstream[k] + g
+
+    def grad_pass(self, steps: Sequence[int]) -> None:
+        """One forward with grad over ``steps`` batched, then ONE backward of sum_k <v_k, U_k>."""
+        z = torch.cat([self.latents[k] for k in steps])
+        t = torch.cat([self.time_batch(k) for k in steps])
+        with torch.enable_grad():
+            v = self.velocity_fn(z, t, batch_concat([self.cond] * len(steps)))
+            total = 0
+            for k, v_k in zip(steps, v.chunk(len(steps))):
+                u = self.own_gradient(k, v_k) + self.upstream.pop(k, 0)
+                total = total + (v_k.to(u.dtype) * u).sum()
+        self.backward(total)
+
+
+def accumulate_gradients(
+    velocity_fn: VelocityFn,
+    latents: Tensor,
+    times: Tensor,
+    cond: Any,
+    step_loss: StepLossFn,
+    windows: Sequence[Window],
+    cached_velocities: Tensor | None = None,
+    low_memory: bool = False,
+    backward: Callable[[Tensor], None] | None = None,
+) -> list[WindowRecord]:
+    """Accumulate d(sum_k step_loss(k, v_k))/dtheta into ``.grad`` over all ``windows``.
+
+    Exact windows: one forward with grad and one backward per step. Routed windows: the interior
+    g_k (no-grad forward, or ``cached_velocities[k]`` -- valid only while theta equals the rollout's
+    theta) fold into the anchors' G_a/G_b; then the anchors not yet done by a chained neighbour get one
+    batched forward with grad and ONE backward (two single passes with ``low_memory``).
+
+    ``latents`` is [S + 1, B, ...] (z_0 .. z_S), ``times`` [S + 1]; ``cond`` is batch-first for B
+    samples. ``backward`` defaults to ``Tensor.backward`` (Lightning passes ``manual_backward``).
+    Returns one :class:`WindowRecord` per window with the passes it actually made.
+    """
+    engine = _Engine(velocity_fn, latents, times, cond, step_loss, backward or Tensor.backward)
+    records = [WindowRecord(w.steps, w.score, w.routed) for w in windows]
+
+    # 1. Interior steps of routed windows: g_k from the cache or a no-grad forward, folded into G_a/G_b.
+    for w, rec in zip(windows, records):
+        if not w.routed or len(w.steps) <= 2:
+            continue
+        alpha = alphas(times, w.steps)
+        a, b = w.anchors
+        for i, k in enumerate(w.interior, start=1):
+            if cached_velocities is not None:
+                v_k = cached_velocities[k]
+                rec.cached_steps += 1
+            else:
+                with torch.no_grad():
+                    v_k = velocity_fn(latents[k], engine.time_batch(k), cond)
+                rec.nograd_forwards += 1
+            g_k = engine.own_gradient(k, v_k)
+            engine.add_upstream(a, (1 - float(alpha[i])) * g_k)
+            engine.add_upstream(b, float(alpha[i]) * g_k)
+
+    # 2. Backward passes; a step shared by chained windows is done once, by the first window.
+    done: set[int] = set()
+    for w, rec in zip(windows, records):
+        todo = [k for k in (w.anchors if w.routed else w.steps) if k not in done]
+        if w.routed and len(todo) > 1 and not low_memory:
+            passes = [todo]
+        else:
+            passes = [[k] for k in todo]
+        for steps in passes:
+            engine.grad_pass(steps)
+            rec.grad_forwards += 1
+            rec.backwards += 1
+        done.update(todo)
+    return records

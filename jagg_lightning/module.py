@@ -1,0 +1,318 @@
+"""JAGGModule: GRPO fine-tuning of a LoRA DiT where JAGG replaces most per-step backward passes.
+
+``training_step`` (manual optimization), one direction of data flow:
+
+    prompts -> rollout (no grad, SDE, per-sample seeds) -> decode -> reward -> group advantages
+            -> routing (residual of the recorded velocities) -> for each update: JAGG window
+               gradients per micro-batch -> gradient clipping -> optimizer step -> scheduler step
+
+The interior-velocity cache is used only while theta is still the rollout's theta (before the first
+optimizer step after a rollout). Callbacks read :attr:`JAGGModule.window_records` and
+:attr:`JAGGModule.windows`; they never reach into rollout internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import Tensor
+
+from jagg_lightning.batching import batch_slice
+from jagg_lightning.grpo import StepRecord, group_advantages, step_loss
+from jagg_lightning.jagg import Window, WindowRecord, accumulate_gradients, interpolation_residual, plan_windows, route_windows
+from jagg_lightning.policy import PolicyConfig, SD3Policy
+from jagg_lightning.rewards import Reward, build_reward
+from jagg_lightning.rollout import Trajectory, sample_generators, sample_seed, sample_trajectories
+from jagg_lightning.sde import flow_match_sigmas
+
+
+@dataclass
+class SamplingConfig:
+    """Rollouts. ``group_size`` K samples per prompt; the first ``trained_steps`` steps get a loss term
+    (default all but the last, nearly clean one); ``step_kind`` is the stochastic step of trained steps;
+    ``ode_after_trained`` samples the rest with Euler (Flow-GRPO-Fast style). ``shift`` None = the model's."""
+
+    num_steps: int = 10
+    group_size: int = 4
+    noise_level: float = 0.7
+    step_kind: Literal["sde", "cps"] = "sde"
+    trained_steps: int | None = None
+    ode_after_trained: bool = False
+    shift: float | None = None
+    rollout_batch_size: int = 8
+    seed: int = 0
+
+    def __post_init__(self):
+        _check(self.num_steps >= 2, "sampling.num_steps", ">= 2", self.num_steps)
+        _check(self.group_size >= 2, "sampling.group_size", ">= 2 (GRPO normalises inside a group)", self.group_size)
+        _check(0 <= self.noise_level <= 2, "sampling.noise_level", "in [0, 2]", self.noise_level)
+        _check(self.step_kind in ("sde", "cps"), "sampling.step_kind", "'sde' or 'cps'", self.step_kind)
+        _check(self.num_trained >= 1 and self.num_trained <= self.num_steps, "sampling.trained_steps",
+               f"in [1, num_steps={self.num_steps}]", self.trained_steps)
+        _check(self.rollout_batch_size >= 1, "sampling.rollout_batch_size", ">= 1", self.rollout_batch_size)
+        _check(self.shift is None or self.shift > 0, "sampling.shift", "> 0 or null", self.shift)
+
+    @property
+    def num_trained(self) -> int:
+        return self.num_steps - 1 if self.trained_steps is None else self.trained_steps
+
+
+@dataclass
+class GRPOConfig:
+    """The GRPO update: PPO clip range, KL weight beta (0 = no reference pass), advantage clip and
+    normalisation, inner epochs over each rollout, samples per micro-batch, micro-batches per optimizer
+    step (None = one step per inner epoch) and the gradient-norm clip (None = off)."""
+
+    clip_range: float = 1e-4
+    kl_beta: float = 0.0
+    adv_clip: float = 5.0
+    adv_std: Literal["group", "global"] = "group"
+    inner_epochs: int = 1
+    train_batch_size: int = 8
+    micro_batches_per_update: int | None = None
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self):
+        _check(self.clip_range > 0, "grpo.clip_range", "> 0", self.clip_range)
+        _check(self.kl_beta >= 0, "grpo.kl_beta", ">= 0", self.kl_beta)
+        _check(self.adv_clip > 0, "grpo.adv_clip", "> 0", self.adv_clip)
+        _check(self.adv_std in ("group", "global"), "grpo.adv_std", "'group' or 'global'", self.adv_std)
+        _check(self.inner_epochs >= 1, "grpo.inner_epochs", ">= 1", self.inner_epochs)
+        _check(self.train_batch_size >= 1, "grpo.train_batch_size", ">= 1", self.train_batch_size)
+        _check(self.micro_batches_per_update is None or self.micro_batches_per_update >= 1,
+               "grpo.micro_batches_per_update", ">= 1 or null", self.micro_batches_per_update)
+        _check(self.max_grad_norm is None or self.max_grad_norm > 0, "grpo.max_grad_norm", "> 0 or null",
+               self.max_grad_norm)
+
+
+@dataclass
+class JAGGConfig:
+    """Windows of ``window_size`` trained steps (``chained``: neighbours share an anchor); the
+    ``jagg_frac`` share with the smallest velocity-interpolation residual use JAGG (a window above
+    ``score_limit`` stays exact); ``low_memory`` runs the two anchors as two passes;
+    ``cache_interior`` reuses the rollout's velocities for interior steps while theta = theta_old."""
+
+    window_size: int = 4
+    jagg_frac: float = 0.5
+    chained: bool = False
+    score_limit: float | None = None
+    low_memory: bool = False
+    cache_interior: bool = True
+
+    def __post_init__(self):
+        _check(self.window_size >= 2, "jagg.window_size", ">= 2", self.window_size)
+        _check(0.0 <= self.jagg_frac <= 1.0, "jagg.jagg_frac", "in [0, 1]", self.jagg_frac)
+        _check(self.score_limit is None or self.score_limit >= 0, "jagg.score_limit", ">= 0 or null", self.score_limit)
+
+
+def _check(ok: bool, name: str, allowed: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _default_optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4)
+
+
+class JAGGModule(L.LightningModule):
+    """GRPO with JAGG window gradients on a LoRA-adapted SD3 transformer (manual optimization).
+
+    Drop it into any ``Trainer``: ``Trainer(max_steps=...).fit(JAGGModule(...), PromptDataModule(...))``.
+    """
+
+    def __init__(
+        self,
+        policy: PolicyConfig | None = None,
+        sampling: SamplingConfig | None = None,
+        grpo: GRPOConfig | None = None,
+        jagg: JAGGConfig | None = None,
+        reward: str | Reward = "jpeg_compressibility",
+        optimizer: OptimizerCallable = _default_optimizer,
+        lr_scheduler: LRSchedulerCallable | None = None,
+    ):
+        super().__init__()
+        self.automatic_optimization = False
+        self.policy_config = policy or PolicyConfig()
+        self.sampling = sampling or SamplingConfig()
+        self.grpo = grpo or GRPOConfig()
+        self.jagg = jagg or JAGGConfig()
+        # Everything that can be checked is checked before any model is built.
+        _check(self.jagg.window_size <= self.sampling.num_trained, "jagg.window_size",
+               f"<= sampling.trained_steps ({self.sampling.num_trained})", self.jagg.window_size)
+        self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
+        _check_learning_rates(optimizer([torch.nn.Parameter(torch.zeros(1))]))
+        self.reward_fn = build_reward(reward)
+        self.save_hyperparameters(ignore=["reward"] if isinstance(reward, Reward) else None)
+
+        self.policy = SD3Policy(self.policy_config)
+        self.trained_steps = list(range(self.sampling.num_trained))
+        self.windows: list[Window] = plan_windows(self.trained_steps, self.jagg.window_size, self.jagg.chained)
+        self.window_records: list[WindowRecord] = []  # of the last training step, all micro-batches
+        self.first_update_ratio_deviation = float("nan")  # max |rho - 1| in the first update of the last step
+
+    # ------------------------------------------------------------------ setup
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(self.policy.lora_parameters())
+        _check_learning_rates(optimizer)
+        if self.lr_scheduler_factory is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": self.lr_scheduler_factory(optimizer)}
+
+    @property
+    def times(self) -> Tensor:
+        shift = self.sampling.shift or self.policy.scheduler_shift
+        return flow_match_sigmas(self.sampling.num_steps, shift)
+
+    @property
+    def step_kinds(self) -> list[str]:
+        after = "ode" if self.sampling.ode_after_trained else self.sampling.step_kind
+        return [self.sampling.step_kind if k < self.sampling.num_trained else after for k in range(self.sampling.num_steps)]
+
+    # ------------------------------------------------------------------ rollout
+    @torch.no_grad()
+    def rollout(self, prompts: list[str], prompt_indices: list[int], step: int) -> tuple[Trajectory, tuple, list[str]]:
+        """K samples per prompt: the trajectory, the per-sample condition and the per-sample prompts."""
+        K = self.sampling.group_size
+        cond = tuple(c.repeat_interleave(K, dim=0) for c in self.policy.encode_prompts(prompts))
+        sample_prompts = [p for p in prompts for _ in range(K)]
+        traj = sample_trajectories(
+            self.policy.velocity, cond, sample_generators(self.sampling.seed, step, prompt_indices, K),
+            self.policy.latent_shape, self.times, self.step_kinds, self.sampling.noise_level,
+            self.sampling.rollout_batch_size, self.device, self._sde_dtype,
+        )
+        return traj, cond, sample_prompts
+
+    @property
+    def _sde_dtype(self) -> torch.dtype:
+        return torch.float64 if self.policy_config.dtype == "float64" else torch.float32
+
+    @torch.no_grad()
+    def score(self, traj: Trajectory, prompts: list[str]) -> Tensor:
+        """Decode the final latents and score them, in rollout micro-batches."""
+        final, size = traj.latents[-1], self.sampling.rollout_batch_size
+        return torch.cat([
+            self.reward_fn(self.policy.decode(final[i : i + size]), prompts[i : i + size])
+            for i in range(0, final.shape[0], size)
+        ])
+
+    @torch.no_grad()
+    def reference_velocities(self, traj: Trajectory, cond: tuple) -> Tensor | None:
+        """v with the adapter off at every trained step; theta-independent, so once per rollout."""
+        if self.grpo.kl_beta == 0:
+            return None
+        out = torch.empty_like(traj.velocities[: len(self.trained_steps)])
+        size = self.sampling.rollout_batch_size
+        with self.policy.adapter_disabled():
+            for k in self.trained_steps:
+                for i in range(0, out.shape[1], size):
+                    z = traj.latents[k, i : i + size]
+                    out[k, i : i + size] = self.policy.velocity(z, traj.times[k].expand(z.shape[0]), batch_slice(cond, slice(i, i + size)))
+        return out
+
+    def route(self, traj: Trajectory) -> list[Window]:
+        scores = [interpolation_residual(traj.velocities, traj.times, w.steps) for w in self.windows]
+        return route_windows(self.windows, scores, self.jagg.jagg_frac, self.jagg.window_size, self.jagg.score_limit)
+
+    # ------------------------------------------------------------------ update
+    def micro_batch_backward(
+        self, traj: Trajectory, cond: tuple, advantages: Tensor, ref_v: Tensor | None, index: Tensor,
+        update_size: int, use_cache: bool, stats: list,
+    ) -> list[WindowRecord]:
+        """Accumulate this micro-batch's share of d(mean loss over the update)/dtheta."""
+        mb = traj.select(index)
+        mb_cond = batch_slice(cond, index)
+        mb_adv, mb_ref = advantages[index], None if ref_v is None else ref_v[:, index]
+        scale = len(index) / (update_size * len(self.trained_steps))
+        kind, g = self.sampling.step_kind, self.grpo
+
+        def loss_of_step(k: int, v: Tensor) -> Tensor:
+            record = StepRecord(
+                mb.latents[k], mb.latents[k + 1], float(mb.times[k]), float(mb.times[k + 1]), mb.log_probs[k], mb_adv,
+                None if mb_ref is None else mb_ref[k],
+            )
+            loss, st = step_loss(v, record, kind, self.sampling.noise_level, g.clip_range, g.kl_beta)
+            stats.append((k, st))
+            return loss.mean() * scale
+
+        return accumulate_gradients(
+            self.policy.velocity, mb.latents, mb.times, mb_cond, loss_of_step, self.windows,
+            cached_velocities=mb.velocities if (use_cache and self.jagg.cache_interior) else None,
+            low_memory=self.jagg.low_memory, backward=self.manual_backward,
+        )
+
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        prompts, indices = list(batch["prompt"]), [int(i) for i in batch["index"]]
+        step = self.global_step
+        traj, cond, sample_prompts = self.rollout(prompts, indices, step)
+        rewards = self.score(traj, sample_prompts)
+        K = self.sampling.group_size
+        advantages = group_advantages(rewards.view(-1, K), self.grpo.adv_std, adv_clip=self.grpo.adv_clip).flatten()
+        ref_v = self.reference_velocities(traj, cond)
+        self.route(traj)
+
+        optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
+        num = rewards.shape[0]
+        shuffle = torch.Generator().manual_seed(sample_seed(self.sampling.seed, step, -1))
+        records: list[WindowRecord] = []
+        stats: list = []
+        first_update_stats: list = []
+        theta_is_old = True
+        for _ in range(self.grpo.inner_epochs):
+            micro = torch.randperm(num, generator=shuffle).to(self.device).split(self.grpo.train_batch_size)
+            per_update = self.grpo.micro_batches_per_update or len(micro)
+            for start in range(0, len(micro), per_update):
+                group = micro[start : start + per_update]
+                update_size = sum(len(m) for m in group)
+                for index in group:
+                    records += self.micro_batch_backward(traj, cond, advantages, ref_v, index, update_size, theta_is_old,
+                                                         first_update_stats if theta_is_old else stats)
+                if self.grpo.max_grad_norm is not None:
+                    self.clip_gradients(optimizer, gradient_clip_val=self.grpo.max_grad_norm, gradient_clip_algorithm="norm")
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if scheduler is not None:
+                    scheduler.step()
+                theta_is_old = False
+
+        self.window_records = records
+        self.first_update_ratio_deviation = max(float((st.ratio - 1).abs().max()) for _, st in first_update_stats)
+        micro_batches = self.grpo.inner_epochs * len(micro)
+        self._log_step(rewards, stats + first_update_stats, records, micro_batches)
+        return rewards.mean()
+
+    def _log_step(self, rewards: Tensor, stats: list, records: list[WindowRecord], micro_batches: int) -> None:
+        def mean_of(attr):
+            return torch.stack([getattr(st, attr).float().mean() for _, st in stats]).mean()
+
+        routed = [r for r in records if r.routed]
+        exact_passes = len(self.trained_steps) * micro_batches  # what exact GRPO makes of each pass kind
+        values = {
+            "reward_mean": rewards.mean(),
+            "reward_std": rewards.std(),
+            "policy_loss": mean_of("policy_loss"),
+            "kl": mean_of("kl"),
+            "approx_kl": mean_of("approx_kl"),
+            "clip_frac": mean_of("clipped"),
+            "ratio_mean": mean_of("ratio"),
+            "routed_frac": torch.tensor(sum(w.routed for w in self.windows) / len(self.windows)),
+            "ratio_dev_first_update": torch.tensor(self.first_update_ratio_deviation),
+            "passes/backward": torch.tensor(float(sum(r.backwards for r in records))),
+            "passes/grad_forward": torch.tensor(float(sum(r.grad_forwards for r in records))),
+            "passes/nograd_forward": torch.tensor(float(sum(r.nograd_forwards for r in records))),
+            "passes/exact_backward": torch.tensor(float(exact_passes)),
+            "passes/routed_windows": torch.tensor(float(len(routed))),
+        }
+        self.log_dict({f"train/{k}": v.float() for k, v in values.items()}, batch_size=rewards.shape[0])
+        self.log("reward", rewards.mean().float(), prog_bar=True, batch_size=rewards.shape[0], logger=False)
+
+
+def _check_learning_rates(optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        lr = group.get("lr", 0)
+        lr = float(lr) if not isinstance(lr, Tensor) else float(lr.item())
+        _check(lr > 0, "optimizer lr (optimizer.init_args.lr)", "> 0", lr)

@@ -1,0 +1,230 @@
+"""The policy: a LoRA-adapted Stable Diffusion 3 transformer with frozen text encoders and VAE.
+
+Built from ``pretrained`` (a local directory or a hub id, through diffusers' own ``from_pretrained``)
+or, when ``pretrained`` is None, from a tiny random configuration (fixed seed) with a character-level
+CLIP tokenizer built offline, so the default run needs no download. The tiny pipeline is a real
+``StableDiffusion3Pipeline``: it saves with ``save_pretrained`` and loads back through ``pretrained``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+# Flow-GRPO's SD3 LoRA targets: the joint-attention projections of both streams.
+SD3_LORA_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+]
+
+
+@dataclass
+class PolicyConfig:
+    """What to load and how to adapt it.
+
+    pretrained: local directory or hub id of a StableDiffusion3Pipeline; None builds the tiny model.
+    lora_rank / lora_alpha / lora_targets: the peft LoRA (Flow-GRPO SD3 default r 32, alpha 64).
+    guidance_scale: classifier-free guidance, 1.0 = off (one forward instead of two).
+    resolution: image side in pixels; None = the transformer's native sample size.
+    dtype: dtype of the frozen weights; LoRA weights and SDE math stay float32 (float64 if chosen).
+    """
+
+    pretrained: str | None = None
+    lora_rank: int = 32
+    lora_alpha: float = 64.0
+    lora_targets: list[str] = field(default_factory=lambda: list(SD3_LORA_TARGETS))
+    guidance_scale: float = 4.5
+    negative_prompt: str = ""
+    max_sequence_length: int = 128
+    resolution: int | None = None
+    dtype: str = "float32"
+    load_t5: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.lora_rank < 1:
+            raise ValueError(f"policy.lora_rank must be >= 1, got {self.lora_rank}")
+        if self.lora_alpha <= 0:
+            raise ValueError(f"policy.lora_alpha must be > 0, got {self.lora_alpha}")
+        if self.guidance_scale < 1.0:
+            raise ValueError(f"policy.guidance_scale must be >= 1.0 (1.0 = off), got {self.guidance_scale}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"policy.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.max_sequence_length < 1:
+            raise ValueError(f"policy.max_sequence_length must be >= 1, got {self.max_sequence_length}")
+        if not self.lora_targets:
+            raise ValueError("policy.lora_targets must name at least one module")
+
+
+def tiny_clip_tokenizer(max_length: int = 16):
+    """A character-level CLIP BPE tokenizer (no merges) built offline from the byte alphabet."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for suffix in ("", "</w>"):
+        for ch in sorted(ByteLevel.alphabet()):
+            vocab[ch + suffix] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
+
+
+def build_tiny_sd3_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A random StableDiffusion3Pipeline small enough to train on 2 CPU cores (no T5, 32 px images)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tokenizer = tiny_clip_tokenizer()
+        clip_cfg = dict(
+            vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=tokenizer.model_max_length, projection_dim=16,
+            bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_act="gelu",
+        )
+        text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
+        text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
+        transformer = SD3Transformer2DModel(
+            sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
+            num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=32,
+            pos_embed_max_size=16,
+        )
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
+            up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=(8, 8), layers_per_block=1,
+            latent_channels=4, norm_num_groups=4, sample_size=32, scaling_factor=1.5, shift_factor=0.06,
+            use_quant_conv=False, use_post_quant_conv=False,
+        )
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tiny_clip_tokenizer(),
+        text_encoder_3=None, tokenizer_3=None,
+    )
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+def load_sd3_pipeline(pretrained: str, dtype: torch.dtype, load_t5: bool = True):
+    """diffusers' own loading path; never ``trust_remote_code``."""
+    from diffusers import StableDiffusion3Pipeline
+
+    extra = {} if load_t5 else {"text_encoder_3": None, "tokenizer_3": None}
+    return StableDiffusion3Pipeline.from_pretrained(pretrained, torch_dtype=dtype, **extra)
+
+
+class SD3Policy(nn.Module):
+    """Frozen SD3 parts plus a trainable peft LoRA on the transformer.
+
+    Conditioning is batch-first: ``(prompt_embeds, pooled, negative_prompt_embeds, negative_pooled)``
+    (the last two only with guidance), so it can be sliced and concatenated per sample.
+    """
+
+    def __init__(self, config: PolicyConfig | None = None, pipeline=None):
+        super().__init__()
+        from diffusers.training_utils import cast_training_params
+        from peft import LoraConfig
+
+        self.config = config = config or PolicyConfig()
+        dtype = DTYPES[config.dtype]
+        if pipeline is None:
+            if config.pretrained is None:
+                pipeline = build_tiny_sd3_pipeline(config.seed, dtype)
+            else:
+                pipeline = load_sd3_pipeline(config.pretrained, dtype, config.load_t5)
+        self.transformer = pipeline.transformer
+        self.vae = pipeline.vae
+        self.text_encoders = nn.ModuleList(
+            [m for m in (pipeline.text_encoder, pipeline.text_encoder_2, pipeline.text_encoder_3) if m is not None]
+        )
+        self.scheduler_shift = float(pipeline.scheduler.config.get("shift", 1.0))
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.latent_channels = self.transformer.config.in_channels
+        native = self.transformer.config.sample_size * self.vae_scale_factor
+        self.resolution = config.resolution or native
+        if self.resolution % (self.vae_scale_factor * self.transformer.config.patch_size):
+            raise ValueError(
+                f"policy.resolution must be a multiple of {self.vae_scale_factor * self.transformer.config.patch_size}, "
+                f"got {self.resolution}"
+            )
+        # the pipeline is kept (outside the module tree) only for its prompt encoding
+        object.__setattr__(self, "_pipeline", pipeline)
+        for module in (self.transformer, self.vae, self.text_encoders):
+            module.requires_grad_(False)
+            module.eval()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed + 1)
+            self.transformer.add_adapter(
+                LoraConfig(
+                    r=config.lora_rank, lora_alpha=config.lora_alpha, init_lora_weights="gaussian",
+                    target_modules=list(config.lora_targets),
+                )
+            )
+        cast_training_params(self.transformer, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        side = self.resolution // self.vae_scale_factor
+        return (self.latent_channels, side, side)
+
+    @property
+    def guided(self) -> bool:
+        return self.config.guidance_scale > 1.0
+
+    def lora_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> tuple[Tensor, ...]:
+        """Prompt embeddings through the pipeline's own ``encode_prompt`` (frozen encoders)."""
+        device = next(self.transformer.parameters()).device
+        pe, neg_pe, pooled, neg_pooled = self._pipeline.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, device=device,
+            do_classifier_free_guidance=self.guided, negative_prompt=[self.config.negative_prompt] * len(prompts),
+            max_sequence_length=self.config.max_sequence_length,
+        )
+        return (pe, pooled, neg_pe, neg_pooled) if self.guided else (pe, pooled)
+
+    def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...]) -> Tensor:
+        """v(z, t) with classifier-free guidance v_u + w (v_c - v_u); ``t`` [n] in [0, 1]."""
+        dtype = self.transformer.dtype
+        timestep = (t * 1000).to(dtype)
+        if self.guided:
+            pe, pooled, neg_pe, neg_pooled = cond
+            out = self.transformer(
+                hidden_states=torch.cat([z, z]).to(dtype), timestep=torch.cat([timestep, timestep]),
+                encoder_hidden_states=torch.cat([neg_pe, pe]), pooled_projections=torch.cat([neg_pooled, pooled]),
+                return_dict=False,
+            )[0]
+            v_u, v_c = out.chunk(2)
+            return v_u + self.config.guidance_scale * (v_c - v_u)
+        pe, pooled = cond
+        return self.transformer(
+            hidden_states=z.to(dtype), timestep=timestep, encoder_hidden_states=pe, pooled_projections=pooled,
+            return_dict=False,
+        )[0]
+
+    @contextmanager
+    def adapter_disabled(self):
+        """The KL reference: the same transformer with the LoRA switched off."""
+        self.transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            self.transformer.enable_adapters()
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """Latents -> images [B, 3, H, W] in [0, 1], float32."""
+        cfg = self.vae.config
+        latents = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+        images = self.vae.decode(latents, return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)

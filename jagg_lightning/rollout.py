@@ -1,0 +1,91 @@
+"""SDE rollouts that record everything GRPO and JAGG need, seeded per sample.
+
+Each sample has its own ``torch.Generator`` seeded from (seed, global step, prompt index, sample
+index); it draws the initial noise, then one step noise per sampling step, in order. A rollout is
+therefore identical whatever the micro-batch size, the batch layout or the number of processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from jagg_lightning.batching import batch_slice
+from jagg_lightning.jagg import VelocityFn
+from jagg_lightning.sde import StepKind, compute_dtype, sample_step, step_distribution
+
+
+def sample_seed(*parts: int) -> int:
+    """A stable 63-bit seed from integers (Python's hash() is salted per process)."""
+    digest = hashlib.sha256("/".join(str(int(p)) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def sample_generators(seed: int, step: int, prompt_indices: Sequence[int], group_size: int) -> list[torch.Generator]:
+    """One CPU generator per sample, laid out prompt-major: [p0 s0, p0 s1, ..., p1 s0, ...]."""
+    return [
+        torch.Generator().manual_seed(sample_seed(seed, step, p, i)) for p in prompt_indices for i in range(group_size)
+    ]
+
+
+@dataclass
+class Trajectory:
+    """A batch of N trajectories over S sampling steps, step-major."""
+
+    latents: Tensor  # [S + 1, N, ...]: z_0 (noise) .. z_S (clean)
+    log_probs: Tensor  # [S, N]: log pi_old(z_{k+1} | z_k); 0 for ODE steps
+    velocities: Tensor  # [S, N, ...]: v_old(z_k, t_k) as used by the sampler (after guidance)
+    times: Tensor  # [S + 1]
+
+    def select(self, index: Tensor) -> Trajectory:
+        return Trajectory(self.latents[:, index], self.log_probs[:, index], self.velocities[:, index], self.times)
+
+
+@torch.no_grad()
+def sample_trajectories(
+    velocity_fn: VelocityFn,
+    cond: Any,
+    generators: Sequence[torch.Generator],
+    latent_shape: Sequence[int],
+    times: Tensor,
+    step_kinds: Sequence[StepKind],
+    noise_level: float,
+    micro_batch_size: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Trajectory:
+    """Run len(generators) samples through the S = len(step_kinds) steps, micro-batch by micro-batch."""
+    num = len(generators)
+    steps = len(step_kinds)
+    if len(times) != steps + 1:
+        raise ValueError(f"times must have {steps + 1} entries, got {len(times)}")
+    dtype = compute_dtype(torch.empty(0, dtype=dtype))
+    latents = torch.empty(steps + 1, num, *latent_shape, dtype=dtype, device=device)
+    velocities = torch.empty(steps, num, *latent_shape, dtype=dtype, device=device)
+    log_probs = torch.zeros(steps, num, dtype=dtype, device=device)
+    times = times.to(device=device, dtype=dtype)
+
+    def noise(gens):
+        return torch.stack([torch.randn(*latent_shape, generator=g, dtype=dtype) for g in gens]).to(device)
+
+    for start in range(0, num, micro_batch_size):
+        part = slice(start, min(start + micro_batch_size, num))
+        gens, cond_mb = generators[part], batch_slice(cond, part)
+        z = noise(gens)
+        latents[0, part] = z
+        for k, kind in enumerate(step_kinds):
+            v = velocity_fn(z, times[k].expand(z.shape[0]), cond_mb).to(dtype)
+            dist = step_distribution(z, v, times[k], times[k + 1], kind, noise_level)
+            eps = noise(gens)
+            z = sample_step(dist, eps) if kind != "ode" else dist.mean
+            velocities[k, part] = v
+            latents[k + 1, part] = z
+            if kind != "ode":
+                log_probs[k, part] = dist.log_prob(z)
+    return Trajectory(latents, log_probs, velocities, times)
+

@@ -1,0 +1,128 @@
+"""Flow-matching schedules and the stochastic sampling steps GRPO trains on.
+
+Rectified flow: z_t = (1 - t) x + t eps, the model predicts the velocity v = dz/dt ~ eps - x.
+Time runs 1 -> 0; one step goes from t_k to t_{k+1} with dt = t_{k+1} - t_k < 0.
+
+Three step kinds share one signature:
+
+* ``"sde"``  -- the Flow-GRPO SDE (Liu et al. 2025). With sigma_k = a sqrt(t_k / (1 - t_k))
+  (at t_k = 1 the denominator uses t_{k+1}, as Flow-GRPO does),
+
+      mu_k  = z_k + [v_k + sigma_k^2 / (2 t_k) (z_k + (1 - t_k) v_k)] dt
+      s_k   = sigma_k sqrt(-dt)
+
+* ``"cps"``  -- the coefficient-preserving step (Flow-CPS): with s = t_{k+1} sin(a pi / 2),
+  x_hat = z - t v, eps_hat = z + (1 - t) v,
+
+      mu_k = (1 - t_{k+1}) x_hat + sqrt(t_{k+1}^2 - s^2) eps_hat
+
+* ``"ode"``  -- the deterministic Euler step mu_k = z_k + v_k dt, s_k = 0 (no log-prob).
+
+In every kind mu is affine in v, so a per-step loss is a cheap function of the velocity alone.
+The arithmetic runs in float32 (float64 when the inputs are float64) whatever the model dtype.
+Plain torch: no Lightning here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+StepKind = Literal["sde", "cps", "ode"]
+STEP_KINDS = ("sde", "cps", "ode")
+
+
+def shift_sigmas(sigmas: Tensor, shift: float) -> Tensor:
+    """The flow-matching time shift s -> shift s / (1 + (shift - 1) s) (SD3 uses shift 3)."""
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def flow_match_sigmas(num_steps: int, shift: float = 3.0, num_train_timesteps: int = 1000) -> Tensor:
+    """The times t_0 = 1 > ... > t_{T-1} > t_T = 0 of ``num_steps`` sampling steps, float32, length T + 1.
+
+    Equal to diffusers' ``FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(num_steps).sigmas``:
+    the scheduler spaces the *unshifted* training range [1, shift(1 / N_train)] linearly, shifts it once
+    more, and appends 0. Multiply by ``num_train_timesteps`` for the transformer's ``timestep`` input.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    if shift <= 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    sigma_min = shift_sigmas(torch.tensor(1.0 / num_train_timesteps, dtype=torch.float64), shift)
+    base = torch.linspace(1.0, float(sigma_min), num_steps, dtype=torch.float64)
+    sigmas = shift_sigmas(base, shift).to(torch.float32)
+    return torch.cat([sigmas, sigmas.new_zeros(1)])
+
+
+def compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32: the SDE never runs in half precision."""
+    return torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
+
+
+def _per_sample(t: Tensor | float, like: Tensor) -> Tensor:
+    """A scalar or per-sample [B] time, shaped to broadcast against a [B, ...] latent."""
+    t = torch.as_tensor(t, dtype=like.dtype, device=like.device)
+    if t.ndim == 0:
+        return t
+    return t.reshape(-1, *([1] * (like.ndim - 1)))
+
+
+@dataclass
+class StepDistribution:
+    """The Gaussian N(mean, std^2) of z_{k+1} given z_k; ``std`` broadcasts against ``mean``."""
+
+    mean: Tensor
+    std: Tensor
+
+    def log_prob(self, sample: Tensor) -> Tensor:
+        """Gaussian log-density of ``sample``, MEAN over latent elements: shape [B]."""
+        return gaussian_log_prob(sample, self.mean, self.std)
+
+
+def gaussian_log_prob(sample: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """log N(sample; mean, std^2) averaged over all but the batch dimension."""
+    sample = sample.to(mean.dtype)
+    std = torch.as_tensor(std, dtype=mean.dtype, device=mean.device)
+    lp = -((sample - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    return lp.mean(dim=tuple(range(1, lp.ndim)))
+
+
+def step_distribution(
+    z: Tensor,
+    v: Tensor,
+    t: Tensor | float,
+    t_next: Tensor | float,
+    kind: StepKind = "sde",
+    noise_level: float = 0.7,
+) -> StepDistribution:
+    """Mean and std of one sampling step from t to t_next (see the module docstring)."""
+    dtype = compute_dtype(z, v)
+    z, v = z.to(dtype), v.to(dtype)
+    t, t_next = _per_sample(t, z), _per_sample(t_next, z)
+    dt = t_next - t
+    if kind == "sde":
+        # Flow-GRPO: at t = 1 the (1 - t) denominator takes the next time instead.
+        denominator_t = torch.where(t >= 1, t_next, t)
+        sigma = noise_level * torch.sqrt(t / (1 - denominator_t))
+        mean = z + (v + sigma**2 / (2 * t) * (z + (1 - t) * v)) * dt
+        std = sigma * torch.sqrt(-dt)
+    elif kind == "cps":
+        std = t_next * math.sin(noise_level * math.pi / 2)
+        x_hat = z - t * v
+        eps_hat = z + (1 - t) * v
+        mean = (1 - t_next) * x_hat + torch.sqrt(t_next**2 - std**2) * eps_hat
+    elif kind == "ode":
+        mean = z + v * dt
+        std = torch.zeros_like(dt)
+    else:
+        raise ValueError(f"step kind must be one of {STEP_KINDS}, got {kind!r}")
+    return StepDistribution(mean, torch.as_tensor(std, dtype=dtype, device=z.device))
+
+
+def sample_step(dist: StepDistribution, noise: Tensor) -> Tensor:
+    """z_{k+1} = mean + std * noise."""
+    return dist.mean + dist.std * noise.to(dist.mean.dtype)
