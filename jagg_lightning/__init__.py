@@ -1,0 +1,9 @@
+"""jagg_lightning: GRPO fine-tuning of flow-matching DiTs where JAGG replaces most per-step backward passes."""
+
+__version__ = "0.1.0"
+
+from jagg_lightning.data import PromptDataModule
+from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.policy import PolicyConfig, SD3Policy
+
+__all__ = ["GRPOConfig", "JAGGConfig", "JAGGModule", "PolicyConfig", "PromptDataModule", "SD3Policy", "SamplingConfig"]

@@ -67,7 +67,7 @@ class PolicyConfig:
             raise ValueError("policy.lora_targets must name at least one module")
 
 
-def tiny_clip_tokenizer(max_length: int = 16):
+def tiny_clip_tokenizer(max_length: int = 32):
     """A character-level CLIP BPE tokenizer (no merges) built offline from the byte alphabet."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import CLIPTokenizer
@@ -117,8 +117,15 @@ def load_sd3_pipeline(pretrained: str, dtype: torch.dtype, load_t5: bool = True)
     """diffusers' own loading path; never ``trust_remote_code``."""
     from diffusers import StableDiffusion3Pipeline
 
-    extra = {} if load_t5 else {"text_encoder_3": None, "tokenizer_3": None}
-    return StableDiffusion3Pipeline.from_pretrained(pretrained, torch_dtype=dtype, **extra)
+    index = StableDiffusion3Pipeline.load_config(pretrained)
+    # components saved as null (e.g. a pipeline without T5) must be passed as None explicitly
+    absent = {name: None for name, entry in index.items() if isinstance(entry, list) and entry[0] is None}
+    if not load_t5:
+        absent |= {"text_encoder_3": None, "tokenizer_3": None}
+    for name in ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor"):
+        if name not in index:
+            absent[name] = None
+    return StableDiffusion3Pipeline.from_pretrained(pretrained, torch_dtype=dtype, **absent)
 
 
 class SD3Policy(nn.Module):
