@@ -149,8 +149,9 @@ class RewardRecorder(Callback):
 def test_reward_goes_up_on_tiny_default(tmp_path, rng_seed):
     """60 steps of configs/tiny.yaml for 3 fresh seeds: the mean reward of the last quarter beats the first.
 
-    Measured (seeds 11, 12, 13): gains of 0.130, 0.063, 0.064 kB with a per-step reward noise of about
-    0.005 kB, so a 0.02 kB margin is about 10x what noise alone gives on a 15-step mean.
+    Measured over 15 seeds: gains from 0.029 to 0.383 kB (mean 0.151), with a per-step reward
+    noise of about 0.005 kB. Noise alone gives a difference of two 15-step means with std ~0.002 kB,
+    so every seed must clear 0.01 kB (5 sigma) and the three together must average over 0.04 kB.
     """
     gains = []
     for i in range(3):
@@ -167,7 +168,8 @@ def test_reward_goes_up_on_tiny_default(tmp_path, rng_seed):
         quarter = len(r) // 4
         gains.append(float(r[-quarter:].mean() - r[:quarter].mean()))
     print("reward gains", gains)
-    assert min(gains) > 0.02, gains
+    assert min(gains) > 0.01, gains
+    assert sum(gains) / 3 > 0.04, gains
 
 
 @pytest.mark.parametrize(
