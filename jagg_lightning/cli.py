@@ -5,6 +5,7 @@ from __future__ import annotations
 from lightning.pytorch.cli import LightningCLI
 
 from jagg_lightning.callbacks import LoRAExport
+from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.module import JAGGModule
 
@@ -24,7 +25,7 @@ def cli_main(args=None, run: bool = True) -> JAGGCLI:
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},
-        trainer_defaults={"accelerator": "auto", "devices": 1},
+        trainer_defaults={"accelerator": "auto", "devices": 1, "plugins": [AtomicCheckpointIO()]},
     )
 
 

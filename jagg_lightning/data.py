@@ -1,4 +1,8 @@
-"""Prompts: a text file (one prompt a line) or an inline list, served as a Lightning datamodule."""
+"""Prompts: a text file (one prompt a line) or an inline list, served as a Lightning datamodule.
+
+The loader is resumable: Lightning saves its ``state_dict`` (epoch and batches consumed) in every
+checkpoint, so a run resumed mid-epoch sees exactly the prompts it would have seen.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -30,6 +34,59 @@ class PromptDataset(Dataset):
         return {"prompt": self.prompts[i], "index": i}
 
 
+class EpochSampler(Sampler[int]):
+    """Order of epoch e: a permutation seeded by (seed, e), or 0..n-1; can resume mid-epoch."""
+
+    def __init__(self, size: int, shuffle: bool, seed: int):
+        self.size, self.shuffle, self.seed = size, shuffle, seed
+        self.epoch = -1  # the epoch of the last iteration started
+        self.resume_at: int | None = None  # items to skip when resuming inside ``epoch``
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        if self.resume_at is None:
+            self.epoch += 1
+            skip = 0
+        else:
+            skip, self.resume_at = self.resume_at, None
+        if self.shuffle:
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
+        else:
+            order = torch.arange(self.size)
+        yield from order[skip:].tolist()
+
+
+class ResumablePromptLoader(DataLoader):
+    """A DataLoader Lightning treats as stateful (it has ``state_dict`` / ``load_state_dict``).
+
+    ``consumed`` counts the batches handed to ``training_step`` in the current epoch (the datamodule
+    bumps it in ``on_before_batch_transfer``, which Lightning calls once per trained batch, after any
+    prefetching), so the saved position is exact.
+    """
+
+    def __init__(self, dataset: PromptDataset, batch_size: int, shuffle: bool, seed: int):
+        self.epoch_sampler = EpochSampler(len(dataset), shuffle, seed)
+        super().__init__(dataset, batch_size=batch_size, sampler=self.epoch_sampler,
+                         drop_last=len(dataset) >= batch_size)
+        self.consumed = 0
+
+    def __iter__(self):
+        if self.epoch_sampler.resume_at is None:
+            self.consumed = 0
+        return super().__iter__()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch_sampler.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch_sampler.epoch = int(state["epoch"])
+        self.consumed = int(state["consumed"])
+        # at an epoch's end the next iteration simply starts the next epoch
+        self.epoch_sampler.resume_at = self.consumed * self.batch_size if self.consumed < len(self) else None
+
+
 class PromptDataModule(L.LightningDataModule):
     """``batch_size`` prompts per training step; each prompt becomes one GRPO group of K samples.
 
@@ -51,12 +108,15 @@ class PromptDataModule(L.LightningDataModule):
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         self.prompts = list(prompts) if prompts is not None else read_prompts(prompts_file)
         if not self.prompts:
-            raise ValueError("data: the prompt list is empty")
+            raise ValueError("data: the prompt list must not be empty")
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
+        self._loader: ResumablePromptLoader | None = None
 
-    def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
-            PromptDataset(self.prompts), batch_size=self.batch_size, shuffle=self.shuffle, generator=generator,
-            drop_last=len(self.prompts) >= self.batch_size,
-        )
+    def train_dataloader(self) -> ResumablePromptLoader:
+        self._loader = ResumablePromptLoader(PromptDataset(self.prompts), self.batch_size, self.shuffle, self.seed)
+        return self._loader
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        if self.trainer is not None and self.trainer.training and self._loader is not None:
+            self._loader.consumed += 1
+        return batch

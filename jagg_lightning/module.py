@@ -13,8 +13,12 @@ optimizer step after a rollout). Callbacks read :attr:`JAGGModule.window_records
 
 from __future__ import annotations
 
+import random
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal
+
+import numpy as np
 
 import lightning as L
 import torch
@@ -23,7 +27,17 @@ from torch import Tensor
 
 from jagg_lightning.batching import batch_slice
 from jagg_lightning.grpo import StepRecord, group_advantages, step_loss
-from jagg_lightning.jagg import Window, WindowRecord, accumulate_gradients, interpolation_residual, plan_windows, route_windows
+from jagg_lightning.ema import LoRAEMA
+from jagg_lightning.jagg import (
+    Window,
+    WindowGradientCheck,
+    WindowRecord,
+    accumulate_gradients,
+    check_window_gradients,
+    interpolation_residual,
+    plan_windows,
+    route_windows,
+)
 from jagg_lightning.policy import PolicyConfig, SD3Policy
 from jagg_lightning.rewards import Reward, build_reward
 from jagg_lightning.rollout import Trajectory, sample_generators, sample_seed, sample_trajectories
@@ -114,6 +128,16 @@ def _check(ok: bool, name: str, allowed: str, value) -> None:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
+@dataclass
+class RolloutBatch:
+    """What one training step's rollout produced, kept until the next step for diagnostics."""
+
+    trajectory: Trajectory
+    cond: tuple
+    advantages: Tensor
+    ref_velocities: Tensor | None
+
+
 def _default_optimizer(params):
     return torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4)
 
@@ -122,7 +146,12 @@ class JAGGModule(L.LightningModule):
     """GRPO with JAGG window gradients on a LoRA-adapted SD3 transformer (manual optimization).
 
     Drop it into any ``Trainer``: ``Trainer(max_steps=...).fit(JAGGModule(...), PromptDataModule(...))``.
+
+    Checkpoints hold only the trainable LoRA weights (plus optimizer, scheduler, EMA and RNG states,
+    and Lightning's counters); the frozen weights are rebuilt from ``policy`` on load.
     """
+
+    strict_loading = False  # checkpoints carry only the LoRA weights
 
     def __init__(
         self,
@@ -133,6 +162,7 @@ class JAGGModule(L.LightningModule):
         reward: str | Reward = "jpeg_compressibility",
         optimizer: OptimizerCallable = _default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = None,
+        ema_decay: float | None = None,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -144,15 +174,29 @@ class JAGGModule(L.LightningModule):
         _check(self.jagg.window_size <= self.sampling.num_trained, "jagg.window_size",
                f"<= sampling.trained_steps ({self.sampling.num_trained})", self.jagg.window_size)
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
-        _check_learning_rates(optimizer([torch.nn.Parameter(torch.zeros(1))]))
+        try:  # a throw-away parameter: the optimizer's own checks and ours run before any model exists
+            probe = optimizer([torch.nn.Parameter(torch.zeros(1))])
+        except ValueError as err:
+            raise ValueError(f"optimizer lr (optimizer.init_args.lr) must be > 0 and valid: {err}") from err
+        _check_learning_rates(probe)
+        _check(ema_decay is None or 0.0 < ema_decay < 1.0, "ema_decay", "in (0, 1) or null", ema_decay)
         self.reward_fn = build_reward(reward)
         self.save_hyperparameters(ignore=["reward"] if isinstance(reward, Reward) else None)
 
         self.policy = SD3Policy(self.policy_config)
         self.trained_steps = list(range(self.sampling.num_trained))
         self.windows: list[Window] = plan_windows(self.trained_steps, self.jagg.window_size, self.jagg.chained)
+        self.ema = None if ema_decay is None else LoRAEMA(self._trainable_named_parameters(), ema_decay)
         self.window_records: list[WindowRecord] = []  # of the last training step, all micro-batches
         self.first_update_ratio_deviation = float("nan")  # max |rho - 1| in the first update of the last step
+        self.last_rollout: RolloutBatch | None = None
+
+    def _trainable_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+
+    def inference_weights(self):
+        """Context in which the policy holds the weights to export or sample with (EMA when enabled)."""
+        return self.ema.applied() if self.ema is not None else nullcontext()
 
     # ------------------------------------------------------------------ setup
     def configure_optimizers(self):
@@ -218,26 +262,31 @@ class JAGGModule(L.LightningModule):
         return route_windows(self.windows, scores, self.jagg.jagg_frac, self.jagg.window_size, self.jagg.score_limit)
 
     # ------------------------------------------------------------------ update
+    def step_loss_fn(self, mb: Trajectory, advantages: Tensor, ref_v: Tensor | None, scale: float, stats: list):
+        """(k, v) -> this micro-batch's step-k share of the objective; appends (k, stats) to ``stats``."""
+        kind, g = self.sampling.step_kind, self.grpo
+
+        def loss_of_step(k: int, v: Tensor) -> Tensor:
+            record = StepRecord(
+                mb.latents[k], mb.latents[k + 1], float(mb.times[k]), float(mb.times[k + 1]), mb.log_probs[k],
+                advantages, None if ref_v is None else ref_v[k],
+            )
+            loss, st = step_loss(v, record, kind, self.sampling.noise_level, g.clip_range, g.kl_beta)
+            stats.append((k, st))
+            return loss.mean() * scale
+
+        return loss_of_step
+
     def micro_batch_backward(
         self, traj: Trajectory, cond: tuple, advantages: Tensor, ref_v: Tensor | None, index: Tensor,
         update_size: int, use_cache: bool, stats: list,
     ) -> list[WindowRecord]:
         """Accumulate this micro-batch's share of d(mean loss over the update)/dtheta."""
         mb = traj.select(index)
-        mb_cond = batch_slice(cond, index)
-        mb_adv, mb_ref = advantages[index], None if ref_v is None else ref_v[:, index]
+        mb_ref = None if ref_v is None else ref_v[:, index]
         scale = len(index) / (update_size * len(self.trained_steps))
-        kind, g = self.sampling.step_kind, self.grpo
-
-        def loss_of_step(k: int, v: Tensor) -> Tensor:
-            record = StepRecord(
-                mb.latents[k], mb.latents[k + 1], float(mb.times[k]), float(mb.times[k + 1]), mb.log_probs[k], mb_adv,
-                None if mb_ref is None else mb_ref[k],
-            )
-            loss, st = step_loss(v, record, kind, self.sampling.noise_level, g.clip_range, g.kl_beta)
-            stats.append((k, st))
-            return loss.mean() * scale
-
+        loss_of_step = self.step_loss_fn(mb, advantages[index], mb_ref, scale, stats)
+        mb_cond = batch_slice(cond, index)
         return accumulate_gradients(
             self.policy.velocity, mb.latents, mb.times, mb_cond, loss_of_step, self.windows,
             cached_velocities=mb.velocities if (use_cache and self.jagg.cache_interior) else None,
@@ -275,11 +324,14 @@ class JAGGModule(L.LightningModule):
                     self.clip_gradients(optimizer, gradient_clip_val=self.grpo.max_grad_norm, gradient_clip_algorithm="norm")
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                if self.ema is not None:
+                    self.ema.update()
                 if scheduler is not None:
                     scheduler.step()
                 theta_is_old = False
 
         self.window_records = records
+        self.last_rollout = RolloutBatch(traj, cond, advantages, ref_v)
         self.first_update_ratio_deviation = max(float((st.ratio - 1).abs().max()) for _, st in first_update_stats)
         micro_batches = self.grpo.inner_epochs * len(micro)
         self._log_step(rewards, stats + first_update_stats, records, micro_batches)
@@ -309,6 +361,77 @@ class JAGGModule(L.LightningModule):
         }
         self.log_dict({f"train/{k}": v.float() for k, v in values.items()}, batch_size=rewards.shape[0])
         self.log("reward", rewards.mean().float(), prog_bar=True, batch_size=rewards.shape[0], logger=False)
+
+
+    # ------------------------------------------------------------------ diagnostics
+    def check_window_gradients(self, max_samples: int | None = None) -> list[WindowGradientCheck]:
+        """Exact vs JAGG gradient of every window on the last rollout's first ``max_samples`` samples,
+        at the current theta. Leaves weights, ``.grad``, optimizer state and RNG streams untouched."""
+        if self.last_rollout is None:
+            return []
+        batch = self.last_rollout
+        index = torch.arange(batch.advantages.shape[0], device=batch.advantages.device)[:max_samples]
+        mb = batch.trajectory.select(index)
+        ref = None if batch.ref_velocities is None else batch.ref_velocities[:, index]
+        loss_of_step = self.step_loss_fn(mb, batch.advantages[index], ref, 1.0 / len(self.trained_steps), [])
+        return check_window_gradients(
+            self.policy.velocity, [p for _, p in self._trainable_named_parameters()], mb.latents, mb.times,
+            batch_slice(batch.cond, index), loss_of_step, self.windows,
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_fit_start(self) -> None:
+        if self.ema is not None:  # the shadow follows the parameters' device
+            self.ema.shadow = {n: t.to(self.ema.params[n].device) for n, t in self.ema.shadow.items()}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        trainable = {n for n, _ in self._trainable_named_parameters()}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        checkpoint["jagg"] = {
+            "ema": None if self.ema is None else self.ema.state_dict(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "python": _python_rng_state_to_list(random.getstate()),
+                "numpy": _numpy_rng_state_to_list(np.random.get_state()),
+            },
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        trainable = {n for n, _ in self._trainable_named_parameters()}
+        missing = trainable - set(checkpoint["state_dict"])
+        if missing:
+            raise KeyError(
+                f"checkpoint lacks {len(missing)} LoRA weights (e.g. {sorted(missing)[0]}): was it written with "
+                "the same policy.lora_targets / lora_rank?"
+            )
+        extra = checkpoint.get("jagg", {})
+        if self.ema is not None and extra.get("ema") is not None:
+            self.ema.load_state_dict(extra["ema"])
+        rng = extra.get("rng")
+        if rng:
+            torch.set_rng_state(rng["torch"])
+            random.setstate(_python_rng_state_from_list(rng["python"]))
+            np.random.set_state(_numpy_rng_state_from_list(rng["numpy"]))
+
+
+def _python_rng_state_to_list(state) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _python_rng_state_from_list(state: list):
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
+def _numpy_rng_state_to_list(state) -> list:
+    name, keys, pos, has_gauss, cached = state
+    return [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
+
+
+def _numpy_rng_state_from_list(state: list):
+    name, keys, pos, has_gauss, cached = state
+    return (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
 
 
 def _check_learning_rates(optimizer: torch.optim.Optimizer) -> None:

@@ -28,16 +28,13 @@ def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
 
 
-def export_lora(policy, target: str | Path, weights: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write both formats under ``target`` (``peft/`` and ``diffusers/``); returns ``target``.
-
-    ``weights`` overrides the adapter weights (used for EMA weights); default: the live adapter.
-    """
+def export_lora(policy, target: str | Path) -> Path:
+    """Write the policy's current adapter in both formats under ``target`` (``peft/``, ``diffusers/``)."""
     from diffusers import StableDiffusion3Pipeline
 
     transformer = policy.transformer
     config = transformer.peft_config["default"]
-    weights = weights if weights is not None else lora_state_dict(transformer)
+    weights = lora_state_dict(transformer)
     with atomic_directory(target) as tmp:
         peft_dir = tmp / "peft"
         config.save_pretrained(str(peft_dir))
@@ -51,7 +48,7 @@ def export_lora(policy, target: str | Path, weights: dict[str, torch.Tensor] | N
 
 
 class LoRAExport(L.Callback):
-    """Export the adapter at every checkpoint save and at the end of fit.
+    """Export the adapter at every checkpoint save and at the end of fit (EMA weights when enabled).
 
     dirpath: where to write; None = ``<trainer.default_root_dir>/lora``. Holds ``last/`` (updated at
     every checkpoint) and ``final/`` (end of fit).
@@ -64,15 +61,16 @@ class LoRAExport(L.Callback):
     def _root(self, trainer: L.Trainer) -> Path:
         return Path(self.dirpath or Path(trainer.default_root_dir) / "lora")
 
-    def _weights(self, pl_module):
-        ema = getattr(pl_module, "ema_lora_weights", None)
-        return ema() if callable(ema) else None
+    def _export(self, trainer, pl_module, name: str) -> Path | None:
+        if not trainer.is_global_zero:
+            return None
+        with pl_module.inference_weights():
+            return export_lora(pl_module.policy, self._root(trainer) / name)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        if trainer.is_global_zero:
-            export_lora(pl_module.policy, self._root(trainer) / "last", self._weights(pl_module))
+        self._export(trainer, pl_module, "last")
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        if trainer.is_global_zero:
-            path = export_lora(pl_module.policy, self._root(trainer) / "final", self._weights(pl_module))
+        path = self._export(trainer, pl_module, "final")
+        if path is not None:
             print(f"LoRA adapter written to {path}")
