@@ -1,4 +1,4 @@
-from jagg_lightning.cli import cli_main
+from jagg_lightning.cli import main
 
 if __name__ == "__main__":
-    cli_main()
+    main()

@@ -29,5 +29,10 @@ def cli_main(args=None, run: bool = True) -> JAGGCLI:
     )
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """Console entry point (``jagg``): returns nothing, so the exit status is LightningCLI's."""
     cli_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -206,10 +206,14 @@ class JAGGModule(L.LightningModule):
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": self.lr_scheduler_factory(optimizer)}
 
+    def schedule(self, num_steps: int | None = None) -> Tensor:
+        """The sampling times t_0 = 1 > ... > t_S = 0 (default: the rollout's ``num_steps``)."""
+        shift = self.sampling.shift or self.policy.scheduler_shift
+        return flow_match_sigmas(num_steps or self.sampling.num_steps, shift)
+
     @property
     def times(self) -> Tensor:
-        shift = self.sampling.shift or self.policy.scheduler_shift
-        return flow_match_sigmas(self.sampling.num_steps, shift)
+        return self.schedule()
 
     @property
     def step_kinds(self) -> list[str]:

@@ -1,5 +1,10 @@
 """Lightning callbacks: they read what JAGGModule exposes and never reach into rollout internals."""
 
+from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
+from jagg_lightning.callbacks.exactness import ExactnessDiagnostics
 from jagg_lightning.callbacks.lora_export import LoRAExport, export_lora, lora_state_dict
+from jagg_lightning.callbacks.routing import RoutingStats
+from jagg_lightning.callbacks.samples import SampleImages
 
-__all__ = ["LoRAExport", "export_lora", "lora_state_dict"]
+__all__ = ["AtomicCheckpointIO", "ExactnessDiagnostics", "LoRAExport", "RoutingStats", "SampleImages", "export_lora",
+           "lora_state_dict"]
