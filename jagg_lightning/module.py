@@ -13,6 +13,7 @@ optimizer step after a rollout). Callbacks read :attr:`JAGGModule.window_records
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -166,10 +167,10 @@ class JAGGModule(L.LightningModule):
     ):
         super().__init__()
         self.automatic_optimization = False
-        self.policy_config = policy or PolicyConfig()
-        self.sampling = sampling or SamplingConfig()
-        self.grpo = grpo or GRPOConfig()
-        self.jagg = jagg or JAGGConfig()
+        self.policy_config = _as_config(PolicyConfig, policy)
+        self.sampling = _as_config(SamplingConfig, sampling)
+        self.grpo = _as_config(GRPOConfig, grpo)
+        self.jagg = _as_config(JAGGConfig, jagg)
         # Everything that can be checked is checked before any model is built.
         _check(self.jagg.window_size <= self.sampling.num_trained, "jagg.window_size",
                f"<= sampling.trained_steps ({self.sampling.num_trained})", self.jagg.window_size)
@@ -391,6 +392,8 @@ class JAGGModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         trainable = {n for n, _ in self._trainable_named_parameters()}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        if "hyper_parameters" in checkpoint:  # plain data only, so weights_only=True can load it
+            checkpoint["hyper_parameters"] = _plain(dict(checkpoint["hyper_parameters"]))
         checkpoint["jagg"] = {
             "ema": None if self.ema is None else self.ema.state_dict(),
             "rng": {
@@ -416,6 +419,26 @@ class JAGGModule(L.LightningModule):
             torch.set_rng_state(rng["torch"])
             random.setstate(_python_rng_state_from_list(rng["python"]))
             np.random.set_state(_numpy_rng_state_from_list(rng["numpy"]))
+
+
+def _as_config(cls, value):
+    """A config dataclass from None (defaults), a dict (e.g. hyper-parameters of a checkpoint) or itself."""
+    if value is None:
+        return cls()
+    return cls(**value) if isinstance(value, dict) else value
+
+
+def _plain(value):
+    """Dataclasses to dicts, containers recursively; anything else that is not plain data becomes its repr."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _plain(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return repr(value)
 
 
 def _python_rng_state_to_list(state) -> list:
