@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal
@@ -164,6 +165,7 @@ class JAGGModule(L.LightningModule):
         optimizer: OptimizerCallable = _default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = None,
         ema_decay: float | None = None,
+        reward_workers: int = 0,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -181,6 +183,9 @@ class JAGGModule(L.LightningModule):
             raise ValueError(f"optimizer lr (optimizer.init_args.lr) must be > 0 and valid: {err}") from err
         _check_learning_rates(probe)
         _check(ema_decay is None or 0.0 < ema_decay < 1.0, "ema_decay", "in (0, 1) or null", ema_decay)
+        _check(reward_workers >= 0, "reward_workers", ">= 0 (0 scores in the training thread)", reward_workers)
+        self.reward_workers = reward_workers
+        self._pool: ThreadPoolExecutor | None = None
         self.reward_fn = build_reward(reward)
         self.save_hyperparameters(ignore=["reward"] if isinstance(reward, Reward) else None)
 
@@ -223,30 +228,56 @@ class JAGGModule(L.LightningModule):
 
     # ------------------------------------------------------------------ rollout
     @torch.no_grad()
-    def rollout(self, prompts: list[str], prompt_indices: list[int], step: int) -> tuple[Trajectory, tuple, list[str]]:
-        """K samples per prompt: the trajectory, the per-sample condition and the per-sample prompts."""
+    def rollout(self, prompts: list[str], prompt_indices: list[int], step: int,
+                on_micro_batch=None) -> tuple[Trajectory, tuple]:
+        """K samples per prompt (prompt-major): the trajectory and the per-sample condition."""
         K = self.sampling.group_size
         cond = tuple(c.repeat_interleave(K, dim=0) for c in self.policy.encode_prompts(prompts))
-        sample_prompts = [p for p in prompts for _ in range(K)]
         traj = sample_trajectories(
             self.policy.velocity, cond, sample_generators(self.sampling.seed, step, prompt_indices, K),
             self.policy.latent_shape, self.times, self.step_kinds, self.sampling.noise_level,
-            self.sampling.rollout_batch_size, self.device, self._sde_dtype,
+            self.sampling.rollout_batch_size, self.device, self._sde_dtype, on_micro_batch,
         )
-        return traj, cond, sample_prompts
+        return traj, cond
 
     @property
     def _sde_dtype(self) -> torch.dtype:
         return torch.float64 if self.policy_config.dtype == "float64" else torch.float32
 
     @torch.no_grad()
-    def score(self, traj: Trajectory, prompts: list[str]) -> Tensor:
-        """Decode the final latents and score them, in rollout micro-batches."""
-        final, size = traj.latents[-1], self.sampling.rollout_batch_size
-        return torch.cat([
-            self.reward_fn(self.policy.decode(final[i : i + size]), prompts[i : i + size])
-            for i in range(0, final.shape[0], size)
-        ])
+    def rollout_and_score(self, prompts: list[str], prompt_indices: list[int], step: int):
+        """The rollout with every micro-batch decoded as soon as it is sampled and scored -- in a thread
+        pool when ``reward_workers`` > 0, so scoring overlaps the next micro-batch's sampling.
+
+        Returns (trajectory, condition, per-sample prompts, rewards [N], {component: scores [N]}).
+        """
+        sample_prompts = [p for p in prompts for _ in range(self.sampling.group_size)]
+        pending: list[Future] = []
+
+        def score_micro_batch(part: slice, final: Tensor) -> None:
+            images = self.policy.decode(final)
+            if self.reward_workers:
+                pending.append(self._reward_pool().submit(self.reward_fn.score_with_components, images, sample_prompts[part]))
+            else:
+                done: Future = Future()
+                done.set_result(self.reward_fn.score_with_components(images, sample_prompts[part]))
+                pending.append(done)
+
+        traj, cond = self.rollout(prompts, prompt_indices, step, score_micro_batch)
+        results = [f.result() for f in pending]
+        rewards = torch.cat([total for total, _ in results])
+        components = {name: torch.cat([c[name] for _, c in results]) for name in results[0][1]}
+        return traj, cond, sample_prompts, rewards, components
+
+    def _reward_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.reward_workers, thread_name_prefix="jagg-reward")
+        return self._pool
+
+    def teardown(self, stage: str) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     @torch.no_grad()
     def reference_velocities(self, traj: Trajectory, cond: tuple) -> Tensor | None:
@@ -301,8 +332,7 @@ class JAGGModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         prompts, indices = list(batch["prompt"]), [int(i) for i in batch["index"]]
         step = self.global_step
-        traj, cond, sample_prompts = self.rollout(prompts, indices, step)
-        rewards = self.score(traj, sample_prompts)
+        traj, cond, _, rewards, components = self.rollout_and_score(prompts, indices, step)
         K = self.sampling.group_size
         advantages = group_advantages(rewards.view(-1, K), self.grpo.adv_std, adv_clip=self.grpo.adv_clip).flatten()
         ref_v = self.reference_velocities(traj, cond)
@@ -340,6 +370,9 @@ class JAGGModule(L.LightningModule):
         self.first_update_ratio_deviation = max(float((st.ratio - 1).abs().max()) for _, st in first_update_stats)
         micro_batches = self.grpo.inner_epochs * len(micro)
         self._log_step(rewards, stats + first_update_stats, records, micro_batches)
+        if len(components) > 1:
+            self.log_dict({f"train/reward/{n}": c.mean().float() for n, c in components.items()},
+                          batch_size=rewards.shape[0])
         return rewards.mean()
 
     def _log_step(self, rewards: Tensor, stats: list, records: list[WindowRecord], micro_batches: int) -> None:

@@ -8,7 +8,7 @@ therefore identical whatever the micro-batch size, the batch layout or the numbe
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +58,13 @@ def sample_trajectories(
     micro_batch_size: int,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    on_micro_batch: Callable[[slice, Tensor], None] | None = None,
 ) -> Trajectory:
-    """Run len(generators) samples through the S = len(step_kinds) steps, micro-batch by micro-batch."""
+    """Run len(generators) samples through the S = len(step_kinds) steps, micro-batch by micro-batch.
+
+    ``on_micro_batch(samples, final_latents)`` is called as each micro-batch finishes (e.g. to decode
+    and score it while the next one samples).
+    """
     num = len(generators)
     steps = len(step_kinds)
     if len(times) != steps + 1:
@@ -87,5 +92,7 @@ def sample_trajectories(
             latents[k + 1, part] = z
             if kind != "ode":
                 log_probs[k, part] = dist.log_prob(z)
+        if on_micro_batch is not None:
+            on_micro_batch(part, z)
     return Trajectory(latents, log_probs, velocities, times)
 

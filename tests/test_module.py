@@ -64,8 +64,7 @@ def test_frac0_step_equals_handwritten_grpo(rng_seed):
     update = [p.detach() - b for p, b in zip(module.policy.lora_parameters(), before)]
 
     # the same rollout by hand, then one forward + backward per trained step and a plain SGD step
-    traj, cond, prompts = reference.rollout(PROMPTS[:2], [0, 1], step=0)
-    rewards = reference.score(traj, prompts)
+    traj, cond, _, rewards, _ = reference.rollout_and_score(PROMPTS[:2], [0, 1], step=0)
     adv = group_advantages(rewards.view(-1, 3)).flatten()
     grads = exact_per_step_gradient(reference.policy, traj, cond, adv, reference.trained_steps)
     expected = [-lr * g for g in grads]

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor, nn
 
 
@@ -16,17 +20,43 @@ def check_images(images: Tensor, prompts: list[str], name: str) -> None:
         raise ValueError(f"reward {name}: image values must lie in [0, 1]")
 
 
+def to_pil(images: Tensor) -> list[Image.Image]:
+    """[B, 3, H, W] in [0, 1] -> RGB PIL images (what the scorers' own preprocessing expects)."""
+    arrays = (images.detach().float().clamp(0, 1).cpu().permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+    return [Image.fromarray(a) for a in arrays]
+
+
+def require_path(reward: str, field: str, path: str | None, allow_download: bool, hub_default: str | None = None) -> str:
+    """A local path that exists, or -- only when the user allows it -- a hub id to download from."""
+    if path is None:
+        if allow_download and hub_default is not None:
+            return hub_default
+        raise ValueError(f"reward {reward}: {field} is required (a local path), or set allow_download: true")
+    if not Path(path).exists() and not allow_download:
+        raise FileNotFoundError(f"reward {reward}: {field} {path!r} does not exist (downloads are off)")
+    return path
+
+
 class Reward(nn.Module):
     """A frozen scorer. Subclasses implement :meth:`score`; ``forward`` checks inputs and outputs.
 
-    Higher is better. Scores are float32 on the images' device, one per image.
+    Higher is better. Scores are float32 on the images' device, one per image. Every parameter is
+    frozen (``requires_grad_(False)``, eval mode): DDP's reducer skips it, and the LoRA checkpoint, which
+    keeps trainable weights only, never holds it.
     """
 
     name: str = "reward"
 
     def __init__(self):
         super().__init__()
+
+    def freeze(self) -> Reward:
+        """Call at the end of a subclass ``__init__``, once the scorer's weights exist."""
         self.requires_grad_(False)
+        return self.eval()
+
+    def train(self, mode: bool = True) -> Reward:
+        return super().train(False)  # a reward model never leaves eval mode
 
     def score(self, images: Tensor, prompts: list[str]) -> Tensor:
         raise NotImplementedError
@@ -40,3 +70,8 @@ class Reward(nn.Module):
         if not torch.isfinite(scores).all():
             raise FloatingPointError(f"reward {self.name}: non-finite score {scores.tolist()}; refusing to train on it")
         return scores
+
+    def score_with_components(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
+        """The total and every component by name (a single reward is its own component)."""
+        total = self(images, prompts)
+        return total, {self.name: total}

@@ -33,6 +33,7 @@ class JpegCompressibility(Reward):
         if not 1 <= quality <= 100:
             raise ValueError(f"{self.name}.quality must be in [1, 100], got {quality}")
         self.quality = quality
+        self.freeze()
 
     def score(self, images: Tensor, prompts: list[str]) -> Tensor:
         return -jpeg_size_kb(images, self.quality)

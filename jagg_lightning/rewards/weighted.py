@@ -1,0 +1,36 @@
+"""A weighted sum of rewards that reports every component as well as the total."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from jagg_lightning.rewards.base import Reward
+
+
+class WeightedReward(Reward):
+    """total = sum_i weight_i * reward_i(images, prompts); each component is scored once per call."""
+
+    name = "weighted"
+
+    def __init__(self, rewards: list[Reward], weights: list[float] | None = None):
+        super().__init__()
+        if not rewards:
+            raise ValueError("WeightedReward.rewards must not be empty")
+        weights = [1.0] * len(rewards) if weights is None else list(weights)
+        if len(weights) != len(rewards):
+            raise ValueError(f"WeightedReward.weights must have {len(rewards)} entries, got {len(weights)}")
+        names = [r.name for r in rewards]
+        if len(set(names)) != len(names):
+            raise ValueError(f"WeightedReward.rewards must have distinct names, got {names}")
+        self.rewards = nn.ModuleList(rewards)
+        self.weights = dict(zip(names, (float(w) for w in weights)))
+        self.freeze()
+
+    def score_with_components(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
+        components = {r.name: r(images, prompts) for r in self.rewards}
+        total = torch.stack([self.weights[n] * c for n, c in components.items()]).sum(0)
+        return total, components
+
+    def score(self, images: Tensor, prompts: list[str]) -> Tensor:
+        return self.score_with_components(images, prompts)[0]
