@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from jagg_lightning.rewards.base import require_path, to_pil
 
@@ -24,6 +24,22 @@ def load_clip(reward: str, model_path: str | None, processor_path: str | None, a
 def _features(output) -> Tensor:
     """transformers >= 5 may wrap projected features in a model output."""
     return output if isinstance(output, Tensor) else output.pooler_output
+
+
+class TensorFeaturesCLIP(nn.Module):
+    """A CLIPModel whose ``get_*_features`` return plain tensors, as torchmetrics' CLIPScore expects
+    (transformers 5 returns a model output there, which torchmetrics 1.9 cannot normalise)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.config = model.config
+
+    def get_image_features(self, pixel_values: Tensor) -> Tensor:
+        return _features(self.model.get_image_features(pixel_values=pixel_values))
+
+    def get_text_features(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        return _features(self.model.get_text_features(input_ids=input_ids, attention_mask=attention_mask))
 
 
 def clip_image_embeddings(model, processor, images: Tensor) -> Tensor:

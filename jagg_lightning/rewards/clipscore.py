@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from jagg_lightning.rewards.base import Reward
-from jagg_lightning.rewards.clip_models import load_clip
+from jagg_lightning.rewards.clip_models import TensorFeaturesCLIP, load_clip
 
 
 class CLIPScoreReward(Reward):
@@ -25,7 +25,8 @@ class CLIPScoreReward(Reward):
 
         model, processor = load_clip(self.name, model_path, processor_path, allow_download,
                                      "openai/clip-vit-large-patch14", "openai/clip-vit-large-patch14")
-        self.metric = CLIPScore(model_name_or_path=lambda: (model, processor))
+        wrapped = TensorFeaturesCLIP(model)
+        self.metric = CLIPScore(model_name_or_path=lambda: (wrapped, processor))
         self.freeze()
 
     def score(self, images: Tensor, prompts: list[str]) -> Tensor:
