@@ -65,10 +65,13 @@ class SamplingConfig:
     def __post_init__(self):
         _check(self.num_steps >= 2, "sampling.num_steps", ">= 2", self.num_steps)
         _check(self.group_size >= 2, "sampling.group_size", ">= 2 (GRPO normalises inside a group)", self.group_size)
-        _check(0 <= self.noise_level <= 2, "sampling.noise_level", "in [0, 2]", self.noise_level)
+        _check(0 < self.noise_level <= 2, "sampling.noise_level", "in (0, 2] (trained steps need a density)",
+               self.noise_level)
         _check(self.step_kind in ("sde", "cps"), "sampling.step_kind", "'sde' or 'cps'", self.step_kind)
         _check(self.num_trained >= 1 and self.num_trained <= self.num_steps, "sampling.trained_steps",
                f"in [1, num_steps={self.num_steps}]", self.trained_steps)
+        _check(self.step_kind != "cps" or self.num_trained < self.num_steps, "sampling.trained_steps",
+               f"< num_steps={self.num_steps} with step_kind cps (its last step is deterministic)", self.trained_steps)
         _check(self.rollout_batch_size >= 1, "sampling.rollout_batch_size", ">= 1", self.rollout_batch_size)
         _check(self.shift is None or self.shift > 0, "sampling.shift", "> 0 or null", self.shift)
 

@@ -109,3 +109,18 @@ def test_sample_images_grid_adapter_off_and_on(tmp_path, rng_seed):
     assert torch.equal(fresh[:, :side], off)
     assert not torch.equal(fresh[:, side:], on)
     assert list(tmp_path.glob("lightning_logs/version_0/events.out.tfevents.*"))
+
+
+def test_exactness_warns_about_a_poor_routed_window(rng_seed):
+    module = make_module(rng_seed % 10_000, jagg_frac=1.0)  # every full window routed
+    with pytest.warns(UserWarning, match=r"JAGG window \(\d+, \d+, \d+\).*min_cosine 1\.0"):
+        fit(module, 1, [ExactnessDiagnostics(every_n_steps=1, max_samples=2, min_cosine=1.0)])
+
+
+def test_callback_arguments_are_checked():
+    with pytest.raises(ValueError, match="every_n_steps must be >= 1"):
+        ExactnessDiagnostics(every_n_steps=0)
+    with pytest.raises(ValueError, match=r"min_cosine must be in \[-1, 1\]"):
+        ExactnessDiagnostics(min_cosine=2.0)
+    with pytest.raises(ValueError, match="prompts must not be empty"):
+        SampleImages(prompts=[])
