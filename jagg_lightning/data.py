@@ -10,7 +10,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -34,16 +35,24 @@ class PromptDataset(Dataset):
         return {"prompt": self.prompts[i], "index": i}
 
 
-class EpochSampler(Sampler[int]):
-    """Order of epoch e: a permutation seeded by (seed, e), or 0..n-1; can resume mid-epoch."""
+class EpochSampler(DistributedSampler):
+    """Order of epoch e: a permutation seeded by (seed, e) (or 0..n-1), dealt round-robin to the ranks;
+    it can resume mid-epoch.
+
+    A ``DistributedSampler`` subclass that shards by itself, so Lightning keeps it under DDP instead of
+    rebuilding the loader; every rank sees the same number of prompts (the tail is dropped), and the
+    prompt indices -- which seed the rollout noise -- do not depend on the number of processes.
+    """
 
     def __init__(self, size: int, shuffle: bool, seed: int):
-        self.size, self.shuffle, self.seed = size, shuffle, seed
+        distributed = dist.is_available() and dist.is_initialized()
+        world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+        if size < world:
+            raise ValueError(f"data: {size} prompts cannot feed {world} processes")
+        self.size = size
+        super().__init__(range(size), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self.epoch = -1  # the epoch of the last iteration started
-        self.resume_at: int | None = None  # items to skip when resuming inside ``epoch``
-
-    def __len__(self) -> int:
-        return self.size
+        self.resume_at: int | None = None  # items of this rank to skip when resuming inside ``epoch``
 
     def __iter__(self):
         if self.resume_at is None:
@@ -55,7 +64,11 @@ class EpochSampler(Sampler[int]):
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
         else:
             order = torch.arange(self.size)
-        yield from order[skip:].tolist()
+        mine = order[: self.num_samples * self.num_replicas][self.rank :: self.num_replicas]
+        yield from mine[skip:].tolist()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning calls this each epoch; the epoch is counted by the iterations themselves."""
 
 
 class ResumablePromptLoader(DataLoader):
@@ -69,7 +82,7 @@ class ResumablePromptLoader(DataLoader):
     def __init__(self, dataset: PromptDataset, batch_size: int, shuffle: bool, seed: int):
         self.epoch_sampler = EpochSampler(len(dataset), shuffle, seed)
         super().__init__(dataset, batch_size=batch_size, sampler=self.epoch_sampler,
-                         drop_last=len(dataset) >= batch_size)
+                         drop_last=len(self.epoch_sampler) >= batch_size)
         self.consumed = 0
 
     def __iter__(self):
