@@ -297,8 +297,14 @@ class JAGGModule(L.LightningModule):
         return out
 
     def route(self, traj: Trajectory) -> list[Window]:
-        scores = [interpolation_residual(traj.velocities, traj.times, w.steps) for w in self.windows]
-        return route_windows(self.windows, scores, self.jagg.jagg_frac, self.jagg.window_size, self.jagg.score_limit)
+        """Score every window from the recorded velocities (mean over all samples of all processes), route."""
+        scores = torch.tensor([interpolation_residual(traj.velocities, traj.times, w.steps) for w in self.windows],
+                              device=self.device)
+        if self._trainer is not None:
+            # every process must route alike: under DDP the backward calls (and their all-reduces) must match
+            scores = self.trainer.strategy.reduce(scores, reduce_op="mean")
+        return route_windows(self.windows, scores.tolist(), self.jagg.jagg_frac, self.jagg.window_size,
+                             self.jagg.score_limit)
 
     # ------------------------------------------------------------------ update
     def step_loss_fn(self, mb: Trajectory, advantages: Tensor, ref_v: Tensor | None, scale: float, stats: list):

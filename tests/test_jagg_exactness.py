@@ -14,6 +14,7 @@ from jagg_lightning.jagg import (
 )
 from jagg_lightning.sde import flow_match_sigmas, sample_step, step_distribution
 
+from helpers import rel_error
 from toy import AffineLoRAVelocity, SineTimeVelocity
 
 NUM_STEPS = 17  # trained steps 0..15
@@ -61,12 +62,6 @@ def jagg_gradient(model, latents, times, loss_fn, windows, cache=None, low_memor
     model.zero_grad()
     recs = accumulate_gradients(model, latents, times, None, loss_fn, windows, cache, low_memory)
     return [p.grad.clone() for p in model.parameters()], recs
-
-
-def rel_error(a, b):
-    num = sum(((x - y) ** 2).sum() for x, y in zip(a, b)) ** 0.5
-    den = sum((y**2).sum() for y in b) ** 0.5
-    return float(num / den)
 
 
 def setup(window_size, chained, gen, model_cls=AffineLoRAVelocity, off_chord=0.0, perturb=0.0, clip=1e-4):
