@@ -54,22 +54,30 @@ def test_first_update_ratio_is_one(options, rng_seed):
     assert any(r.backwards > 0 for r in module.window_records)
 
 
-def test_frac0_step_equals_handwritten_grpo(rng_seed):
+@pytest.mark.parametrize("kl_beta", [0.0, 0.5])
+def test_frac0_step_equals_handwritten_grpo(kl_beta, rng_seed):
     seed, lr = rng_seed % 10_000, 0.5
     module = make_module(seed, dtype="float64", jagg_frac=0.0, optimizer=lambda p: torch.optim.SGD(p, lr=lr),
-                         max_grad_norm=None)
+                         max_grad_norm=None, kl_beta=kl_beta)
     reference = copy.deepcopy(module)
     before = [p.detach().clone() for p in module.policy.lora_parameters()]
-    fit(module)
+    trainer = fit(module)
     update = [p.detach() - b for p, b in zip(module.policy.lora_parameters(), before)]
 
     # the same rollout by hand, then one forward + backward per trained step and a plain SGD step
     traj, cond, _, rewards, _ = reference.rollout_and_score(PROMPTS[:2], [0, 1], step=0)
     adv = group_advantages(rewards.view(-1, 3)).flatten()
-    grads = exact_per_step_gradient(reference.policy, traj, cond, adv, reference.trained_steps)
+    ref_v = None
+    if kl_beta:
+        with torch.no_grad(), reference.policy.adapter_disabled():
+            ref_v = torch.stack([reference.policy.velocity(traj.latents[k], traj.times[k].expand(6), cond)
+                                 for k in reference.trained_steps])
+    grads = exact_per_step_gradient(reference.policy, traj, cond, adv, reference.trained_steps, kl_beta=kl_beta,
+                                    ref_v=ref_v)
     expected = [-lr * g for g in grads]
     assert sum(float(u.abs().sum()) for u in expected) > 0
     assert rel_error(update, expected) < 1e-10
+    assert (float(trainer.callback_metrics["train/kl"]) > 0) == (kl_beta > 0)
 
 
 def test_tiny_pipeline_roundtrip_through_from_pretrained(tmp_path, rng_seed):
@@ -200,3 +208,17 @@ def test_bad_configuration_through_cli_names_the_field():
                            "--model.jagg.jagg_frac", "2.0"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode != 0
     assert "jagg.jagg_frac must be in [0, 1]" in proc.stderr + proc.stdout
+
+
+def test_lora_stays_float32_on_a_bfloat16_model(rng_seed):
+    policy = SD3Policy(tiny_policy_config(dtype="bfloat16"))
+    lora = policy.lora_parameters()
+    assert lora and all(p.dtype == torch.float32 for p in lora)
+    frozen = [p for p in policy.transformer.parameters() if not p.requires_grad]
+    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
+    gen = torch.Generator().manual_seed(rng_seed)
+    z = torch.randn(2, *policy.latent_shape, generator=gen)
+    v = policy.velocity(z, torch.rand(2, generator=gen), policy.encode_prompts(["a cat", "a dog"]))
+    v.float().sum().backward()
+    grads = [p.grad for p in lora if p.grad is not None]
+    assert grads and all(g.dtype == torch.float32 for g in grads)
