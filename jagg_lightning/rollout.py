@@ -17,7 +17,7 @@ from torch import Tensor
 
 from jagg_lightning.batching import batch_slice
 from jagg_lightning.jagg import VelocityFn
-from jagg_lightning.sde import StepKind, compute_dtype, sample_step, step_distribution
+from jagg_lightning.sde import StepKind, sample_step, step_distribution
 
 
 def sample_seed(*parts: int) -> int:
@@ -69,7 +69,7 @@ def sample_trajectories(
     steps = len(step_kinds)
     if len(times) != steps + 1:
         raise ValueError(f"times must have {steps + 1} entries, got {len(times)}")
-    dtype = compute_dtype(torch.empty(0, dtype=dtype))
+    dtype = torch.float64 if dtype == torch.float64 else torch.float32  # the SDE never runs in half precision
     latents = torch.empty(steps + 1, num, *latent_shape, dtype=dtype, device=device)
     velocities = torch.empty(steps, num, *latent_shape, dtype=dtype, device=device)
     log_probs = torch.zeros(steps, num, dtype=dtype, device=device)
