@@ -203,7 +203,7 @@ class SD3Policy(nn.Module):
     def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...]) -> Tensor:
         """v(z, t) with classifier-free guidance v_u + w (v_c - v_u); ``t`` [n] in [0, 1]."""
         dtype = self.transformer.dtype
-        timestep = (t * 1000).to(dtype)
+        timestep = t * 1000  # float32, as the SD3 pipeline passes it: bf16 would round 987.5 to 988
         if self.guided:
             pe, pooled, neg_pe, neg_pooled = cond
             out = self.transformer(
