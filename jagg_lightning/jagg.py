@@ -207,9 +207,8 @@ def accumulate_gradients(
     for w, rec in zip(windows, records):
         if not w.routed or len(w.steps) <= 2:
             continue
-        alpha = alphas(times, w.steps)
-        a, b = w.anchors
-        for i, k in enumerate(w.interior, start=1):
+        interior_g = []
+        for k in w.interior:
             if cached_velocities is not None:
                 v_k = cached_velocities[k]
                 rec.cached_steps += 1
@@ -217,9 +216,12 @@ def accumulate_gradients(
                 with torch.no_grad():
                     v_k = velocity_fn(latents[k], engine.time_batch(k), cond)
                 rec.nograd_forwards += 1
-            g_k = engine.own_gradient(k, v_k)
-            engine.add_upstream(a, (1 - float(alpha[i])) * g_k)
-            engine.add_upstream(b, float(alpha[i]) * g_k)
+            interior_g.append(engine.own_gradient(k, v_k))
+        # the anchors' own g_a, g_b (alpha 0 and 1) join in their own pass
+        g_a, g_b = composite_gradients(interior_g, alphas(times, w.steps)[1:-1])
+        a, b = w.anchors
+        engine.add_upstream(a, g_a)
+        engine.add_upstream(b, g_b)
 
     # 2. Backward passes; a step shared by chained windows is done once, by the first window.
     done: set[int] = set()

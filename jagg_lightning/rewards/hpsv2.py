@@ -42,11 +42,12 @@ class HPSv2Reward(Reward):
         except ImportError as err:
             raise ImportError(f"reward {self.name} needs `pip install --no-deps hpsv2x==1.2.0` and the rewards "
                               f"extra: {err}") from err
-        path = require_path(self.name, "checkpoint", checkpoint, allow_download)
-        if checkpoint is None:
+        if checkpoint is None and allow_download:
             from huggingface_hub import hf_hub_download
 
             path = hf_hub_download("xswu/HPSv2", HPS_CHECKPOINTS[version])
+        else:
+            path = require_path(self.name, "checkpoint", checkpoint, allow_download)
         if model_config is not None:
             require_path(self.name, "model_config", model_config, False)
             add_model_config(model_config)
