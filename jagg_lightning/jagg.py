@@ -41,7 +41,7 @@ class Window:
     """A run of consecutive sampling steps; its anchors are the first and last step."""
 
     steps: tuple[int, ...]
-    score: float = 0.0  # interpolation residual: lower is more linear
+    score: float = 0.0  # routing score (residual or 1 - cosine): lower is more linear
     routed: bool = False  # True: JAGG (anchor backward only); False: exact per-step backward
 
     @property
@@ -118,6 +118,37 @@ def interpolation_residual(velocities: Tensor, times: Tensor, steps: Sequence[in
     return float(residual[1:-1].mean())
 
 
+def cosine_score(velocities: Tensor, times: Tensor, steps: Sequence[int]) -> float:
+    """The published routing rule's score: 1 - mean over interior k and samples of cos(v_k - v_a, v_b - v_a).
+
+    Each cosine is between the flattened per-sample vectors v_k - v_a and v_b - v_a (the recorded
+    velocities after guidance); 1 when v_k moves along the chord from v_a to v_b (whatever the pace),
+    so the score is in [0, 2], 0 for W = 2 and lower is more linear. ``times`` is unused: the angle
+    does not depend on alpha_k.
+    """
+    steps = list(steps)
+    if len(steps) <= 2:
+        return 0.0
+    v = velocities[steps].to(torch.float64).flatten(2)  # [W, B, D]
+    chord = v[-1] - v[0]
+    offset = v[1:-1] - v[0]
+    cos = (offset * chord).sum(-1) / (offset.norm(dim=-1) * chord.norm(dim=-1)).clamp_min(1e-300)
+    return float(1.0 - cos.mean())
+
+
+ROUTING_SCORES: dict[str, Callable[[Tensor, Tensor, Sequence[int]], float]] = {
+    "residual": interpolation_residual,
+    "cosine": cosine_score,
+}
+
+
+def routing_score(rule: str, velocities: Tensor, times: Tensor, steps: Sequence[int]) -> float:
+    """The score of ``rule`` (``residual`` or ``cosine``) for one window; lower is more linear."""
+    if rule not in ROUTING_SCORES:
+        raise ValueError(f"jagg.routing must be one of {sorted(ROUTING_SCORES)}, got {rule!r}")
+    return ROUTING_SCORES[rule](velocities, times, steps)
+
+
 def route_windows(
     windows: list[Window],
     scores: Sequence[float],
@@ -125,7 +156,7 @@ def route_windows(
     window_size: int,
     score_limit: float | None = None,
 ) -> list[Window]:
-    """Route the ``jagg_frac`` share of full-size windows with the smallest residual to JAGG.
+    """Route the ``jagg_frac`` share of full-size windows with the smallest score to JAGG.
 
     Short tail windows stay exact; a window whose score exceeds ``score_limit`` stays exact.
     jagg_frac = 0 routes nothing (exact GRPO); 1 routes every eligible window.

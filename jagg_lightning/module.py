@@ -36,9 +36,10 @@ from jagg_lightning.jagg import (
     WindowRecord,
     accumulate_gradients,
     check_window_gradients,
-    interpolation_residual,
+    ROUTING_SCORES,
     plan_windows,
     route_windows,
+    routing_score,
 )
 from jagg_lightning.policy import PolicyConfig, SD3Policy
 from jagg_lightning.rewards import Reward, build_reward
@@ -111,8 +112,9 @@ class GRPOConfig:
 @dataclass
 class JAGGConfig:
     """Windows of ``window_size`` trained steps (``chained``: neighbours share an anchor); the
-    ``jagg_frac`` share with the smallest velocity-interpolation residual use JAGG (a window above
-    ``score_limit`` stays exact); ``low_memory`` runs the two anchors as two passes;
+    ``jagg_frac`` share with the smallest ``routing`` score use JAGG (``residual``: the
+    velocity-interpolation residual; ``cosine``: 1 - cos(v_k - v_a, v_b - v_a), the published rule; a
+    window above ``score_limit`` stays exact); ``low_memory`` runs the two anchors as two passes;
     ``cache_interior`` reuses the rollout's velocities for interior steps while theta = theta_old."""
 
     window_size: int = 4
@@ -121,11 +123,13 @@ class JAGGConfig:
     score_limit: float | None = None
     low_memory: bool = False
     cache_interior: bool = True
+    routing: Literal["residual", "cosine"] = "residual"
 
     def __post_init__(self):
         _check(self.window_size >= 2, "jagg.window_size", ">= 2", self.window_size)
         _check(0.0 <= self.jagg_frac <= 1.0, "jagg.jagg_frac", "in [0, 1]", self.jagg_frac)
         _check(self.score_limit is None or self.score_limit >= 0, "jagg.score_limit", ">= 0 or null", self.score_limit)
+        _check(self.routing in ROUTING_SCORES, "jagg.routing", " or ".join(map(repr, ROUTING_SCORES)), self.routing)
 
 
 def _check(ok: bool, name: str, allowed: str, value) -> None:
@@ -297,9 +301,10 @@ class JAGGModule(L.LightningModule):
         return out
 
     def route(self, traj: Trajectory) -> list[Window]:
-        """Score every window from the recorded velocities (mean over all samples of all processes), route."""
-        scores = torch.tensor([interpolation_residual(traj.velocities, traj.times, w.steps) for w in self.windows],
-                              device=self.device)
+        """Score every window from the recorded velocities (``jagg.routing``; mean over all samples of all
+        processes), route."""
+        scores = torch.tensor([routing_score(self.jagg.routing, traj.velocities, traj.times, w.steps)
+                               for w in self.windows], device=self.device)
         if self._trainer is not None:
             # every process must route alike: under DDP the backward calls (and their all-reduces) must match
             scores = self.trainer.strategy.reduce(scores, reduce_op="mean")
