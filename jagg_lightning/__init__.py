@@ -3,7 +3,7 @@
 __version__ = "0.1.0"
 
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.module import EvalConfig, GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.policy import PolicyConfig, SD3Policy
 
-__all__ = ["GRPOConfig", "JAGGConfig", "JAGGModule", "PolicyConfig", "PromptDataModule", "SD3Policy", "SamplingConfig"]
+__all__ = ["EvalConfig", "GRPOConfig", "JAGGConfig", "JAGGModule", "PolicyConfig", "PromptDataModule", "SD3Policy", "SamplingConfig"]

@@ -1,5 +1,10 @@
 """Prompts: a text file (one prompt a line) or an inline list, served as a Lightning datamodule.
 
+The data contract (for your own DataLoader): every batch is ``{"prompt": [str, ...], "index": [int, ...]}``
+-- what a default-collated DataLoader over :class:`PromptDataset` yields. The index seeds the prompt's
+rollout noise, so it must identify the prompt (not its position in the batch). Validation and predict
+loaders follow the same contract.
+
 The loader is resumable: Lightning saves its ``state_dict`` (epoch and batches consumed) in every
 checkpoint, so a run resumed mid-epoch sees exactly the prompts it would have seen.
 """
@@ -14,12 +19,29 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
-def read_prompts(path: str | Path) -> list[str]:
+def read_prompts(path: str | Path, field: str = "data.prompts_file") -> list[str]:
     """Non-empty, stripped lines of a UTF-8 text file."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"data.prompts_file: no such file {str(path)!r}")
+        raise FileNotFoundError(f"{field}: no such file {str(path)!r}")
     return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+# `jagg fit` with no data section: a few prompts so the bare command runs (configs/prompts/ has more)
+DEFAULT_PROMPTS = ["a cat sitting on a mat", "a lighthouse at night", "a bowl of fruit on a table", "a red bicycle"]
+
+
+def check_prompts(prompts, field: str) -> list[str]:
+    """A list of non-blank strings; a bare string (which would become one prompt per character) is refused."""
+    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"{field} must be a list of strings, got {type(prompts).__name__} {prompts!r}"
+                         + (" (use data.prompts_file for a file)" if isinstance(prompts, str) else ""))
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str) or not p.strip():
+            raise ValueError(f"{field}[{i}] must be a non-blank string, got {p!r}")
+    if not prompts:
+        raise ValueError(f"{field}: the prompt list must not be empty")
+    return [p.strip() for p in prompts]
 
 
 class PromptDataset(Dataset):
@@ -71,6 +93,26 @@ class EpochSampler(DistributedSampler):
         """Lightning calls this each epoch; the epoch is counted by the iterations themselves."""
 
 
+class EvalSampler(DistributedSampler):
+    """Evaluation order: rank r takes prompts r, r + world, ... -- every prompt exactly once over all processes
+    (a plain DistributedSampler pads with repeats, which would bias the means). A DistributedSampler subclass,
+    so Lightning keeps it under DDP."""
+
+    def __init__(self, size: int):
+        distributed = dist.is_available() and dist.is_initialized()
+        world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+        if size < world:
+            raise ValueError(f"data: {size} evaluation prompts cannot feed {world} processes")
+        super().__init__(range(size), num_replicas=world, rank=rank, shuffle=False)
+        self.mine = list(range(rank, size, world))
+
+    def __iter__(self):
+        return iter(self.mine)
+
+    def __len__(self) -> int:
+        return len(self.mine)
+
+
 class ResumablePromptLoader(DataLoader):
     """A DataLoader Lightning treats as stateful (it has ``state_dict`` / ``load_state_dict``).
 
@@ -103,31 +145,75 @@ class ResumablePromptLoader(DataLoader):
 class PromptDataModule(L.LightningDataModule):
     """``batch_size`` prompts per training step; each prompt becomes one GRPO group of K samples.
 
-    Give exactly one of ``prompts`` (inline list) or ``prompts_file`` (relative to the working directory).
+    Give at most one of ``prompts`` (inline list) or ``prompts_file`` (relative to the working directory);
+    with neither, :data:`DEFAULT_PROMPTS`. ``val_prompts`` / ``val_prompts_file``: held-out prompts for
+    ``jagg validate`` and ``trainer.val_check_interval`` (none = no validation); ``predict_prompts`` /
+    ``predict_prompts_file``: prompts ``jagg predict`` draws (default: the validation prompts).
     """
 
     def __init__(
         self,
-        prompts: list[str] | None = None,
+        prompts: list[str] | str | None = None,  # a str is refused with a message, not parsed as characters
         prompts_file: str | None = None,
         batch_size: int = 2,
         shuffle: bool = True,
         seed: int = 0,
+        val_prompts: list[str] | str | None = None,
+        val_prompts_file: str | None = None,
+        predict_prompts: list[str] | str | None = None,
+        predict_prompts_file: str | None = None,
+        eval_batch_size: int = 4,
     ):
         super().__init__()
-        if (prompts is None) == (prompts_file is None):
-            raise ValueError("data: give exactly one of data.prompts or data.prompts_file")
-        if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
-        self.prompts = list(prompts) if prompts is not None else read_prompts(prompts_file)
-        if not self.prompts:
-            raise ValueError("data: the prompt list must not be empty")
+        self.prompts, self.val_prompts, self.predict_prompts = self.check_arguments(
+            prompts, prompts_file, batch_size, shuffle, seed, val_prompts, val_prompts_file, predict_prompts,
+            predict_prompts_file, eval_batch_size)
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
+        self.eval_batch_size = eval_batch_size
         self._loader: ResumablePromptLoader | None = None
+        if self.val_prompts is None:  # Lightning then sees no validation loader at all (no empty-loader warnings)
+            self.val_dataloader = L.LightningDataModule.val_dataloader.__get__(self)
+            self.test_dataloader = L.LightningDataModule.test_dataloader.__get__(self)
+
+    @classmethod
+    def check_arguments(cls, prompts=None, prompts_file=None, batch_size=2, shuffle=True, seed=0, val_prompts=None,
+                        val_prompts_file=None, predict_prompts=None, predict_prompts_file=None, eval_batch_size=4):
+        """Every argument checked (the CLI calls this before it builds any model): (train, val, predict) prompts."""
+        for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"data.{name} must be an integer >= 1, got {value!r}")
+        return (cls._prompts(prompts, prompts_file, "prompts") or list(DEFAULT_PROMPTS),
+                cls._prompts(val_prompts, val_prompts_file, "val_prompts"),
+                cls._prompts(predict_prompts, predict_prompts_file, "predict_prompts"))
+
+    @staticmethod
+    def _prompts(inline, file, field: str) -> list[str] | None:
+        if inline is not None and file is not None:
+            raise ValueError(f"data: give at most one of data.{field} or data.{field}_file")
+        if inline is not None:
+            return check_prompts(inline, f"data.{field}")
+        if file is not None:
+            return check_prompts(read_prompts(file, f"data.{field}_file"), f"data.{field}_file")
+        return None
 
     def train_dataloader(self) -> ResumablePromptLoader:
         self._loader = ResumablePromptLoader(PromptDataset(self.prompts), self.batch_size, self.shuffle, self.seed)
         return self._loader
+
+    def _eval_loader(self, prompts: list[str]) -> DataLoader:
+        return DataLoader(PromptDataset(prompts), batch_size=self.eval_batch_size, sampler=EvalSampler(len(prompts)))
+
+    def val_dataloader(self):
+        return self._eval_loader(self.val_prompts)
+
+    def test_dataloader(self):
+        return self.val_dataloader()
+
+    def predict_dataloader(self):
+        prompts = self.predict_prompts or self.val_prompts
+        if prompts is None:
+            raise ValueError("data: jagg predict needs data.predict_prompts (or data.val_prompts)")
+        return self._eval_loader(prompts)
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         if self.trainer is not None and self.trainer.training and self._loader is not None:

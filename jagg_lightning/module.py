@@ -14,9 +14,11 @@ optimizer step after a rollout). Callbacks read :attr:`JAGGModule.window_records
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,8 +27,11 @@ import numpy as np
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from jagg_lightning.adapters import adapter_identity, identity_mismatch
 from jagg_lightning.batching import batch_slice
 from jagg_lightning.grpo import StepRecord, group_advantages, step_loss
 from jagg_lightning.ema import LoRAEMA
@@ -42,7 +47,8 @@ from jagg_lightning.jagg import (
     routing_score,
 )
 from jagg_lightning.policy import PolicyConfig, SD3Policy
-from jagg_lightning.rewards import Reward, build_reward
+from jagg_lightning.rewards import Reward, build_reward, describe_reward
+from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.rollout import Trajectory, sample_generators, sample_seed, sample_trajectories
 from jagg_lightning.sde import flow_match_sigmas
 
@@ -64,6 +70,7 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self):
+        _check_ints(self, "sampling", "num_steps", "group_size", "rollout_batch_size", "trained_steps", "seed")
         _check(self.num_steps >= 2, "sampling.num_steps", ">= 2", self.num_steps)
         _check(self.group_size >= 2, "sampling.group_size", ">= 2 (GRPO normalises inside a group)", self.group_size)
         _check(0 < self.noise_level <= 2, "sampling.noise_level", "in (0, 2] (trained steps need a density)",
@@ -97,6 +104,7 @@ class GRPOConfig:
     max_grad_norm: float | None = 1.0
 
     def __post_init__(self):
+        _check_ints(self, "grpo", "inner_epochs", "train_batch_size", "micro_batches_per_update")
         _check(self.clip_range > 0, "grpo.clip_range", "> 0", self.clip_range)
         _check(self.kl_beta >= 0, "grpo.kl_beta", ">= 0", self.kl_beta)
         _check(self.adv_clip > 0, "grpo.adv_clip", "> 0", self.adv_clip)
@@ -126,15 +134,102 @@ class JAGGConfig:
     routing: Literal["residual", "cosine"] = "residual"
 
     def __post_init__(self):
+        _check_ints(self, "jagg", "window_size")
         _check(self.window_size >= 2, "jagg.window_size", ">= 2", self.window_size)
         _check(0.0 <= self.jagg_frac <= 1.0, "jagg.jagg_frac", "in [0, 1]", self.jagg_frac)
         _check(self.score_limit is None or self.score_limit >= 0, "jagg.score_limit", ">= 0 or null", self.score_limit)
         _check(self.routing in ROUTING_SCORES, "jagg.routing", " or ".join(map(repr, ROUTING_SCORES)), self.routing)
 
 
+@dataclass
+class EvalConfig:
+    """``validate`` / ``test`` / ``predict`` (and ``val_check_interval`` during fit): deterministic ODE (Euler)
+    sampling with ``num_steps`` steps and classifier-free guidance ``guidance_scale`` (null = the policy's),
+    ``samples_per_prompt`` images per prompt whose noise depends on (seed, prompt index, sample) only, so
+    every evaluation sees the same noise; the first ``grid_prompts`` prompts form the logged sample grid."""
+
+    num_steps: int = 20
+    guidance_scale: float | None = None
+    samples_per_prompt: int = 1
+    seed: int = 0
+    grid_prompts: int = 8
+
+    def __post_init__(self):
+        _check_ints(self, "evaluation", "num_steps", "samples_per_prompt", "seed", "grid_prompts")
+        _check(self.num_steps >= 1, "evaluation.num_steps", ">= 1", self.num_steps)
+        _check(self.guidance_scale is None or self.guidance_scale >= 1.0, "evaluation.guidance_scale",
+               ">= 1.0 (1.0 = off) or null (the policy's)", self.guidance_scale)
+        _check(self.samples_per_prompt >= 1, "evaluation.samples_per_prompt", ">= 1", self.samples_per_prompt)
+        _check(self.grid_prompts >= 0, "evaluation.grid_prompts", ">= 0 (0 = no grid)", self.grid_prompts)
+
+
+EVAL_STEP = -1  # the "global step" that seeds evaluation noise: the same at every evaluation
+
+
+# trainer.precision -> the policy.dtype it needs ("true" precisions cast the module; None = any dtype)
+PRECISIONS = {"32-true": None, "bf16-mixed": None, "16-mixed": None, "bf16-true": "bfloat16", "16-true": "float16",
+              "64-true": "float64"}
+_PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true", "None": "32-true"}
+
+
+def check_precision(precision, dtype: str | None) -> str:
+    """Refuse Lightning precisions the module cannot honour; "-true" ones must match ``policy.dtype`` (the
+    frozen weights), since LoRA weights and optimizer state stay float32 under every precision."""
+    name = _PRECISION_ALIASES.get(str(precision), str(precision))
+    _check(name in PRECISIONS, "trainer.precision", f"one of {sorted(PRECISIONS)}", precision)
+    needed = PRECISIONS[name]
+    dtype = dtype or "float32"
+    _check(needed is None or dtype == needed, "model.policy.dtype",
+           f"{needed!r} with trainer.precision {name} (it casts the frozen weights; or use bf16-mixed / 32-true)",
+           dtype)
+    return name
+
+
 def _check(ok: bool, name: str, allowed: str, value) -> None:
     if not ok:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def unpack_prompt_batch(batch) -> tuple[list[str], list[int]]:
+    """The data contract: a batch is ``{"prompt": [str, ...], "index": [int, ...]}`` (what a DataLoader over
+    :class:`jagg_lightning.data.PromptDataset` yields); the index seeds that prompt's noise."""
+    if not (isinstance(batch, dict) and "prompt" in batch and "index" in batch):
+        got = type(batch).__name__
+        if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], str):
+            got = "a list of strings"
+        raise TypeError(
+            f"JAGGModule batches must be dicts {{'prompt': [str], 'index': [int]}} (each prompt's index seeds its "
+            f"noise), got {got}: wrap your prompts in jagg_lightning.data.PromptDataset(prompts) or use "
+            "PromptDataModule"
+        )
+    prompts, indices = list(batch["prompt"]), [int(i) for i in batch["index"]]
+    if len(prompts) != len(indices) or not all(isinstance(p, str) for p in prompts):
+        raise TypeError(f"a batch needs one str prompt per index, got {len(prompts)} prompts, {len(indices)} indices")
+    return prompts, indices
+
+
+def _check_ints(config, section: str, *names: str) -> None:
+    """Integer fields must be integers (or null where they default to null): 2.5 steps is a typo, not a value."""
+    for name in names:
+        value = getattr(config, name)
+        _check(value is None or (isinstance(value, int) and not isinstance(value, bool)), f"{section}.{name}",
+               "an integer", value)
+
+
+def _full_precision_defaults(step):
+    """Lightning's "-true" half precisions make half the default dtype inside the step; the SDE and GRPO math
+    creates tensors without a dtype and must stay float32 (float64 with a float64 policy)."""
+
+    @functools.wraps(step)
+    def wrapper(self, *args, **kwargs):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self._sde_dtype)
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            torch.set_default_dtype(previous)
+
+    return wrapper
 
 
 @dataclass
@@ -147,7 +242,8 @@ class RolloutBatch:
     ref_velocities: Tensor | None
 
 
-def _default_optimizer(params):
+def default_optimizer(params):
+    """``model.optimizer: null``: AdamW, lr 1e-4, weight decay 1e-4 (Flow-GRPO's SD3 setting)."""
     return torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4)
 
 
@@ -164,15 +260,18 @@ class JAGGModule(L.LightningModule):
 
     def __init__(
         self,
-        policy: PolicyConfig | None = None,
-        sampling: SamplingConfig | None = None,
-        grpo: GRPOConfig | None = None,
-        jagg: JAGGConfig | None = None,
+        # typed without `| None` (None is still accepted): the CLI then prints the full sections and shows
+        # the dataclasses' own error messages instead of "does not validate against any of the Union subtypes"
+        policy: PolicyConfig = PolicyConfig(),
+        sampling: SamplingConfig = SamplingConfig(),
+        grpo: GRPOConfig = GRPOConfig(),
+        jagg: JAGGConfig = JAGGConfig(),
         reward: str | Reward = "jpeg_compressibility",
-        optimizer: OptimizerCallable = _default_optimizer,
+        optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
         ema_decay: float | None = None,
         reward_workers: int = 0,
+        evaluation: EvalConfig = EvalConfig(),
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -180,9 +279,12 @@ class JAGGModule(L.LightningModule):
         self.sampling = _as_config(SamplingConfig, sampling)
         self.grpo = _as_config(GRPOConfig, grpo)
         self.jagg = _as_config(JAGGConfig, jagg)
+        self.evaluation = _as_config(EvalConfig, evaluation)
         # Everything that can be checked is checked before any model is built.
         _check(self.jagg.window_size <= self.sampling.num_trained, "jagg.window_size",
                f"<= sampling.trained_steps ({self.sampling.num_trained})", self.jagg.window_size)
+        optimizer = _rebuild_callable("optimizer", optimizer) or default_optimizer
+        lr_scheduler = _rebuild_callable("lr_scheduler", lr_scheduler)
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
         try:  # a throw-away parameter: the optimizer's own checks and ours run before any model exists
             probe = optimizer([torch.nn.Parameter(torch.zeros(1))])
@@ -194,7 +296,16 @@ class JAGGModule(L.LightningModule):
         self.reward_workers = reward_workers
         self._pool: ThreadPoolExecutor | None = None
         self.reward_fn = build_reward(reward)
-        self.save_hyperparameters(ignore=["reward"] if isinstance(reward, Reward) else None)
+        if _given_hyperparameters.get() is not None:
+            self.save_hyperparameters()  # LightningCLI hands over its own config: plain data, re-instantiable
+        else:  # plain data only (yaml.safe_load, weights_only=True); the reward as class path + init args
+            self.save_hyperparameters({
+                "policy": _plain(self.policy_config), "sampling": _plain(self.sampling), "grpo": _plain(self.grpo),
+                "jagg": _plain(self.jagg), "reward": describe_reward(self.reward_fn),
+                "optimizer": describe_callable(optimizer, default_optimizer),
+                "lr_scheduler": describe_callable(lr_scheduler, None), "ema_decay": ema_decay,
+                "reward_workers": reward_workers, "evaluation": _plain(self.evaluation),
+            })
 
         self.policy = SD3Policy(self.policy_config)
         self.trained_steps = list(range(self.sampling.num_trained))
@@ -203,6 +314,8 @@ class JAGGModule(L.LightningModule):
         self.window_records: list[WindowRecord] = []  # of the last training step, all micro-batches
         self.first_update_ratio_deviation = float("nan")  # max |rho - 1| in the first update of the last step
         self.last_rollout: RolloutBatch | None = None
+        self._eval_sums: dict[str, Tensor] = {}  # component -> [sum, count] over this process's eval samples
+        self._eval_grid: list[Tensor] = []
 
     def _trainable_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
@@ -264,10 +377,10 @@ class JAGGModule(L.LightningModule):
         def score_micro_batch(part: slice, final: Tensor) -> None:
             images = self.policy.decode(final)
             if self.reward_workers:
-                pending.append(self._reward_pool().submit(self.reward_fn.score_with_components, images, sample_prompts[part]))
+                pending.append(self._reward_pool().submit(self.score, images, sample_prompts[part]))
             else:
                 done: Future = Future()
-                done.set_result(self.reward_fn.score_with_components(images, sample_prompts[part]))
+                done.set_result(self.score(images, sample_prompts[part]))
                 pending.append(done)
 
         traj, cond = self.rollout(prompts, prompt_indices, step, score_micro_batch)
@@ -275,6 +388,16 @@ class JAGGModule(L.LightningModule):
         rewards = torch.cat([total for total, _ in results])
         components = {name: torch.cat([c[name] for _, c in results]) for name in results[0][1]}
         return traj, cond, sample_prompts, rewards, components
+
+    def score(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
+        """The reward's total and components; a failure is re-raised naming the reward."""
+        try:
+            return self.reward_fn.score_with_components(images, prompts)
+        except RewardError:
+            raise
+        except Exception as err:
+            raise RewardError(f"reward {self.reward_fn.name} ({type(self.reward_fn).__name__}) failed while scoring "
+                              f"{len(prompts)} images: {type(err).__name__}: {err}") from err
 
     def _reward_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -343,8 +466,9 @@ class JAGGModule(L.LightningModule):
             low_memory=self.jagg.low_memory, backward=self.manual_backward,
         )
 
+    @_full_precision_defaults
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
-        prompts, indices = list(batch["prompt"]), [int(i) for i in batch["index"]]
+        prompts, indices = unpack_prompt_batch(batch)
         step = self.global_step
         traj, cond, _, rewards, components = self.rollout_and_score(prompts, indices, step)
         K = self.sampling.group_size
@@ -384,9 +508,9 @@ class JAGGModule(L.LightningModule):
         self.first_update_ratio_deviation = max(float((st.ratio - 1).abs().max()) for _, st in first_update_stats)
         micro_batches = self.grpo.inner_epochs * len(micro)
         self._log_step(rewards, stats + first_update_stats, records, micro_batches)
-        if len(components) > 1:
-            self.log_dict({f"train/reward/{n}": c.mean().float() for n, c in components.items()},
-                          batch_size=rewards.shape[0])
+        # every component under its own name, a single reward too (as well as train/reward_mean)
+        self.log_dict({f"train/reward/{n}": c.mean().float() for n, c in components.items()},
+                      batch_size=rewards.shape[0])
         return rewards.mean()
 
     def _log_step(self, rewards: Tensor, stats: list, records: list[WindowRecord], micro_batches: int) -> None:
@@ -415,6 +539,89 @@ class JAGGModule(L.LightningModule):
         self.log("reward", rewards.mean().float(), prog_bar=True, batch_size=rewards.shape[0], logger=False)
 
 
+    # ------------------------------------------------------------------ evaluation
+    @contextmanager
+    def _guidance(self, scale: float | None):
+        """The policy with classifier-free guidance ``scale`` (None = unchanged) for the duration."""
+        if scale is None:
+            yield
+            return
+        previous = self.policy.config.guidance_scale
+        self.policy.config.guidance_scale = float(scale)
+        try:
+            yield
+        finally:
+            self.policy.config.guidance_scale = previous
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], prompt_indices: list[int]) -> Tensor:
+        """``evaluation.samples_per_prompt`` images per prompt (prompt-major) [N, 3, H, W] in [0, 1]: ODE
+        sampling with ``evaluation.num_steps`` steps and guidance, with the inference (EMA) weights."""
+        ev = self.evaluation
+        with self._guidance(ev.guidance_scale), self.inference_weights():
+            cond = tuple(c.repeat_interleave(ev.samples_per_prompt, dim=0) for c in self.policy.encode_prompts(prompts))
+            traj = sample_trajectories(
+                self.policy.velocity, cond, sample_generators(ev.seed, EVAL_STEP, prompt_indices, ev.samples_per_prompt),
+                self.policy.latent_shape, self.schedule(ev.num_steps), ["ode"] * ev.num_steps, 0.0,
+                self.sampling.rollout_batch_size, self.device, self._sde_dtype,
+            )
+            return self.policy.decode(traj.latents[-1])
+
+    def on_validation_epoch_start(self) -> None:
+        self._eval_sums, self._eval_grid = {}, []
+
+    on_test_epoch_start = on_validation_epoch_start
+
+    @_full_precision_defaults
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        prompts, indices = unpack_prompt_batch(batch)
+        images = self.generate(prompts, indices)
+        sample_prompts = [p for p in prompts for _ in range(self.evaluation.samples_per_prompt)]
+        total, components = self.score(images, sample_prompts)
+        for name, scores in {"reward_mean": total, **{f"reward/{n}": c for n, c in components.items()}}.items():
+            acc = self._eval_sums.setdefault(name, torch.zeros(2, dtype=torch.float64, device=self.device))
+            acc += torch.stack([scores.double().sum(), torch.tensor(float(scores.numel()), dtype=torch.float64)]).to(acc)
+        wanted = self.evaluation.grid_prompts * self.evaluation.samples_per_prompt - sum(len(g) for g in self._eval_grid)
+        if wanted > 0:
+            self._eval_grid.append(images[:wanted].cpu())
+
+    test_step = validation_step
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_evaluation("test" if self.trainer.testing else "val")
+
+    on_test_epoch_end = on_validation_epoch_end
+
+    def _log_evaluation(self, stage: str) -> None:
+        """Means over every sample of every process (sums and counts all-reduced), and the sample grid."""
+        if self.trainer.sanity_checking or not self._eval_sums:
+            return
+        names = sorted(self._eval_sums)
+        sums = torch.stack([self._eval_sums[n] for n in names])
+        sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
+        self.log_dict({f"{stage}/{n}": (s[0] / s[1]).float() for n, s in zip(names, sums)}, sync_dist=False)
+        if self._eval_grid and self.trainer.is_global_zero:
+            from jagg_lightning.callbacks.images import log_image
+            from jagg_lightning.callbacks.routing import log_dir
+            from jagg_lightning.callbacks.samples import image_grid
+            from jagg_lightning.io import atomic_write
+            from PIL import Image
+
+            images = torch.cat(self._eval_grid)
+            per_row = self.evaluation.samples_per_prompt
+            grid = image_grid([list(images[i : i + per_row]) for i in range(0, len(images), per_row)])
+            path = log_dir(self.trainer) / "samples" / f"{stage}_step_{self.global_step:06d}.png"
+            atomic_write(path, lambda tmp: Image.fromarray(grid).save(tmp, format="PNG"))
+            log_image(self.trainer, f"{stage}/samples", grid, self.global_step)
+
+    @_full_precision_defaults
+    def predict_step(self, batch: dict, batch_idx: int) -> dict:
+        """{"prompt", "index", "sample", "images" [N, 3, H, W] in [0, 1]} for a batch of prompts."""
+        prompts, indices = unpack_prompt_batch(batch)
+        per = self.evaluation.samples_per_prompt
+        return {"prompt": [p for p in prompts for _ in range(per)], "index": [i for i in indices for _ in range(per)],
+                "sample": [s for _ in prompts for s in range(per)], "images": self.generate(prompts, indices).cpu()}
+
     # ------------------------------------------------------------------ diagnostics
     def check_window_gradients(self, max_samples: int | None = None) -> list[WindowGradientCheck]:
         """Exact vs JAGG gradient of every window on the last rollout's first ``max_samples`` samples,
@@ -431,7 +638,33 @@ class JAGGModule(L.LightningModule):
             batch_slice(batch.cond, index), loss_of_step, self.windows,
         )
 
+    # ------------------------------------------------------------------ precision
+    def setup(self, stage: str) -> None:
+        check_precision(self.trainer.precision, self.policy_config.dtype)
+
+    def to(self, *args, **kwargs):
+        """Moves devices; a floating dtype is ignored. Precision plugins ("bf16-true", "16-true", "64-true") cast
+        the whole module: the frozen weights already hold ``policy.dtype`` (paired with the precision by
+        :func:`check_precision`) and the LoRA weights -- hence the optimizer state -- stay float32."""
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is None or not dtype.is_floating_point:
+            return super().to(*args, **kwargs)
+        return self if device is None else super().to(device=device, non_blocking=non_blocking)
+
     # ------------------------------------------------------------------ checkpoints
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Checkpoints hold only the LoRA weights: the frozen weights (rebuilt from ``policy``) are not reported
+        missing (Lightning would print every one of them); missing LoRA weights are, and fail when ``strict``."""
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        trainable = {n for n, _ in self._trainable_named_parameters()}
+        missing = [k for k in result.missing_keys if k in trainable]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"LoRA checkpoint does not fit: missing {missing[:3]}, unexpected "
+                               f"{result.unexpected_keys[:3]}")
+        return _IncompatibleKeys(missing, list(result.unexpected_keys))
+
     def on_fit_start(self) -> None:
         if self.ema is not None:  # the shadow follows the parameters' device
             self.ema.shadow = {n: t.to(self.ema.params[n].device) for n, t in self.ema.shadow.items()}
@@ -442,6 +675,7 @@ class JAGGModule(L.LightningModule):
         if "hyper_parameters" in checkpoint:  # plain data only, so weights_only=True can load it
             checkpoint["hyper_parameters"] = _plain(dict(checkpoint["hyper_parameters"]))
         checkpoint["jagg"] = {
+            "adapter": adapter_identity(self.policy),
             "ema": None if self.ema is None else self.ema.state_dict(),
             "rng": {
                 "torch": torch.get_rng_state(),
@@ -451,6 +685,11 @@ class JAGGModule(L.LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved = checkpoint.get("jagg", {}).get("adapter")
+        if saved is not None:  # checkpoints from before identities were recorded load on the key check below
+            mismatch = identity_mismatch(saved, adapter_identity(self.policy))
+            if mismatch:
+                raise ValueError("checkpoint adapter does not match this module's (model.policy): " + "; ".join(mismatch))
         trainable = {n for n, _ in self._trainable_named_parameters()}
         missing = trainable - set(checkpoint["state_dict"])
         if missing:
@@ -469,10 +708,55 @@ class JAGGModule(L.LightningModule):
 
 
 def _as_config(cls, value):
-    """A config dataclass from None (defaults), a dict (e.g. hyper-parameters of a checkpoint) or itself."""
+    """A private copy of a config dataclass from None (defaults), a dict (e.g. hyper-parameters of a
+    checkpoint) or an instance (the signature's default instances are shared)."""
     if value is None:
         return cls()
-    return cls(**value) if isinstance(value, dict) else value
+    if isinstance(value, dict):
+        return cls(**value)
+    if not isinstance(value, cls):
+        raise TypeError(f"expected a {cls.__name__} or a dict of its fields, got {type(value).__name__}")
+    return dataclasses.replace(value)
+
+
+NOT_REBUILDABLE = "not rebuildable"
+
+
+def describe_callable(fn, default) -> dict | str | None:
+    """Plain-data record of an optimizer / scheduler factory: null for the default, class path + init args
+    for ``functools.partial(cls, ...)``; anything else is recorded by name only."""
+    if fn is None or fn is default:
+        return None
+    if isinstance(fn, functools.partial) and isinstance(fn.func, type) and not fn.args:
+        return {"class_path": f"{fn.func.__module__}.{fn.func.__qualname__}", "init_args": _plain(fn.keywords)}
+    return f"{NOT_REBUILDABLE}: {getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _rebuild_callable(field: str, value):
+    """The factory from what :func:`describe_callable` recorded (or the callable itself)."""
+    if value is None or callable(value):
+        return value
+    if isinstance(value, dict) and set(value) <= {"class_path", "init_args"}:
+        cls = _import_class(value["class_path"], field)
+        return functools.partial(cls, **(value.get("init_args") or {}))
+    # only training needs it: warn and fall back rather than refuse to load a checkpoint for sampling
+    rank_zero_warn(
+        f"{field}: the checkpoint records {value!r}, which cannot be rebuilt from hyper-parameters; using the "
+        f"default. Pass {field}=... to load_from_checkpoint to train on with your own."
+    )
+    return None
+
+
+def _import_class(path: str, field: str) -> type:
+    import importlib
+
+    module_name, _, name = str(path).rpartition(".")
+    if module_name not in sys.modules and not module_name.startswith("jagg_lightning."):  # a checkpoint is data
+        raise ValueError(f"{field}: the checkpoint names {path!r}; import {module_name} first if you trust it")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"{field}: cannot import {path!r} ({err})") from err
 
 
 def _plain(value):

@@ -53,18 +53,24 @@ class PolicyConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.lora_rank < 1:
-            raise ValueError(f"policy.lora_rank must be >= 1, got {self.lora_rank}")
-        if self.lora_alpha <= 0:
-            raise ValueError(f"policy.lora_alpha must be > 0, got {self.lora_alpha}")
-        if self.guidance_scale < 1.0:
-            raise ValueError(f"policy.guidance_scale must be >= 1.0 (1.0 = off), got {self.guidance_scale}")
+        def integer(name, value, allowed, ok):
+            if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+                raise ValueError(f"policy.{name} must be {allowed}, got {value!r}")
+
+        integer("lora_rank", self.lora_rank, "an integer >= 1", lambda v: v >= 1)
+        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or not self.lora_alpha > 0:
+            raise ValueError(f"policy.lora_alpha must be a number > 0, got {self.lora_alpha!r}")
+        if not isinstance(self.guidance_scale, (int, float)) or self.guidance_scale < 1.0:
+            raise ValueError(f"policy.guidance_scale must be >= 1.0 (1.0 = off), got {self.guidance_scale!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"policy.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.max_sequence_length < 1:
-            raise ValueError(f"policy.max_sequence_length must be >= 1, got {self.max_sequence_length}")
-        if not self.lora_targets:
-            raise ValueError("policy.lora_targets must name at least one module")
+        integer("max_sequence_length", self.max_sequence_length, "an integer >= 1", lambda v: v >= 1)
+        if self.resolution is not None:  # the multiple of VAE factor x patch size is checked against the model
+            integer("resolution", self.resolution, "an integer >= 1 (pixels) or null", lambda v: v >= 1)
+        integer("seed", self.seed, "an integer", lambda v: True)
+        if isinstance(self.lora_targets, str) or not self.lora_targets or not all(
+                isinstance(t, str) and t for t in self.lora_targets):
+            raise ValueError(f"policy.lora_targets must be a non-empty list of module names, got {self.lora_targets!r}")
 
 
 def tiny_clip_tokenizer(max_length: int = 32):
@@ -79,8 +85,29 @@ def tiny_clip_tokenizer(max_length: int = 32):
     return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
 
 
-def build_tiny_sd3_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A random StableDiffusion3Pipeline small enough to train on 2 CPU cores (no T5, 32 px images)."""
+def tiny_zero_t5(d_model: int):
+    """A one-layer T5 encoder whose final norm is zero, so it outputs exactly the zeros the SD3 pipeline
+    uses without a T5 -- present only so the saved pipeline has every component ``from_pretrained`` expects."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import T5Config, T5EncoderModel, T5TokenizerFast
+
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(c, -1.0) for c in sorted(ByteLevel.alphabet())]
+    backend = Tokenizer(models.Unigram(vocab, unk_id=2))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer = T5TokenizerFast(tokenizer_object=backend, eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+                                extra_ids=0)
+    encoder = T5EncoderModel(T5Config(vocab_size=len(vocab), d_model=d_model, d_kv=8, d_ff=16, num_layers=1,
+                                      num_heads=2))
+    with torch.no_grad():
+        encoder.encoder.final_layer_norm.weight.zero_()
+    return encoder, tokenizer
+
+
+def build_tiny_sd3_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32, with_t5: bool = True):
+    """A random StableDiffusion3Pipeline small enough to train on 2 CPU cores (32 px images). Its T5 outputs
+    zeros, exactly what the pipeline uses without one (``with_t5=False``, what the policy trains with);
+    it is there so ``save_pretrained`` then a plain ``StableDiffusion3Pipeline.from_pretrained`` round-trips."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
@@ -105,10 +132,12 @@ def build_tiny_sd3_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32):
             latent_channels=4, norm_num_groups=4, sample_size=32, scaling_factor=1.5, shift_factor=0.06,
             use_quant_conv=False, use_post_quant_conv=False,
         )
+        # built last, so the components above are the same with or without it
+        text_encoder_3, tokenizer_3 = tiny_zero_t5(transformer.config.joint_attention_dim) if with_t5 else (None, None)
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
         text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tiny_clip_tokenizer(),
-        text_encoder_3=None, tokenizer_3=None,
+        text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
     )
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
@@ -135,6 +164,15 @@ class SD3Policy(nn.Module):
     (the last two only with guidance), so it can be sliced and concatenated per sample.
     """
 
+    family = "sd3"
+
+    @property
+    def pipeline_class(self):
+        """The diffusers pipeline class (its ``save_lora_weights`` / ``load_lora_weights`` define the LoRA file)."""
+        from diffusers import StableDiffusion3Pipeline
+
+        return StableDiffusion3Pipeline
+
     def __init__(self, config: PolicyConfig | None = None, pipeline=None):
         super().__init__()
         from diffusers.training_utils import cast_training_params
@@ -144,7 +182,7 @@ class SD3Policy(nn.Module):
         dtype = DTYPES[config.dtype]
         if pipeline is None:
             if config.pretrained is None:
-                pipeline = build_tiny_sd3_pipeline(config.seed, dtype)
+                pipeline = build_tiny_sd3_pipeline(config.seed, dtype, with_t5=False)
             else:
                 pipeline = load_sd3_pipeline(config.pretrained, dtype, config.load_t5)
         self.transformer = pipeline.transformer
@@ -156,7 +194,7 @@ class SD3Policy(nn.Module):
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.latent_channels = self.transformer.config.in_channels
         native = self.transformer.config.sample_size * self.vae_scale_factor
-        self.resolution = config.resolution or native
+        self.resolution = native if config.resolution is None else config.resolution
         if self.resolution % (self.vae_scale_factor * self.transformer.config.patch_size):
             raise ValueError(
                 f"policy.resolution must be a multiple of {self.vae_scale_factor * self.transformer.config.patch_size}, "

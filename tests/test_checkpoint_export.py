@@ -141,7 +141,8 @@ def test_exported_formats_load_in_diffusers_and_peft(tmp_path, rng_seed):
     config = LoraConfig.from_pretrained(str(final / "peft"))
     assert config.r == 4 and config.lora_alpha == 8
     inject_adapter_in_model(config, transformer)
-    result = set_peft_model_state_dict(transformer, load_file(str(final / "peft" / "adapter_model.safetensors")))
+    saved = load_file(str(final / "peft" / "adapter_model.safetensors"))  # PeftModel naming: base_model.model.*
+    result = set_peft_model_state_dict(transformer, {k.removeprefix("base_model.model."): v for k, v in saved.items()})
     assert not result.unexpected_keys
     torch.testing.assert_close(out(transformer), expected, rtol=1e-5, atol=1e-6)
 

@@ -1,50 +1,17 @@
-"""Write the trained LoRA in the two formats users load: PEFT and diffusers.
-
-(a) PEFT: ``peft/adapter_config.json`` + ``peft/adapter_model.safetensors`` (``PeftModel.from_pretrained``
-    or ``transformer.load_lora_adapter``);
-(b) diffusers: ``diffusers/pytorch_lora_weights.safetensors`` through the pipeline class's
-    ``save_lora_weights`` WITH the adapter metadata (without it diffusers assumes alpha = rank and the
-    LoRA scale comes out wrong); ``pipeline.load_lora_weights(dir)`` reads it back.
-
-Each export is built in a temporary directory and renamed into place, so a crash mid-write never
-leaves a half-written adapter.
-"""
+"""Write the trained LoRA in the formats users load (PEFT and diffusers); the layout itself lives in
+:mod:`jagg_lightning.adapters`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import lightning as L
-import torch
-from safetensors.torch import save_file
 
-from jagg_lightning.io import atomic_directory
+from jagg_lightning.adapters import lora_state_dict, save_adapter
 
+export_lora = save_adapter  # the name this module has always exported
 
-def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
-    """The adapter's weights in PEFT naming (no adapter name), contiguous CPU copies."""
-    from peft.utils import get_peft_model_state_dict
-
-    return {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
-
-
-def export_lora(policy, target: str | Path) -> Path:
-    """Write the policy's current adapter in both formats under ``target`` (``peft/``, ``diffusers/``)."""
-    from diffusers import StableDiffusion3Pipeline
-
-    transformer = policy.transformer
-    config = transformer.peft_config["default"]
-    weights = lora_state_dict(transformer)
-    with atomic_directory(target) as tmp:
-        peft_dir = tmp / "peft"
-        config.save_pretrained(str(peft_dir))
-        save_file(weights, str(peft_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
-        metadata = config.to_dict()
-        metadata["target_modules"] = sorted(metadata["target_modules"])
-        StableDiffusion3Pipeline.save_lora_weights(
-            str(tmp / "diffusers"), transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata
-        )
-    return Path(target)
+__all__ = ["LoRAExport", "export_lora", "lora_state_dict"]
 
 
 class LoRAExport(L.Callback):
@@ -65,7 +32,7 @@ class LoRAExport(L.Callback):
         if not trainer.is_global_zero:
             return None
         with pl_module.inference_weights():
-            return export_lora(pl_module.policy, self._root(trainer) / name)
+            return export_lora(pl_module.policy, self._root(trainer) / name, step=trainer.global_step)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         self._export(trainer, pl_module, "last")

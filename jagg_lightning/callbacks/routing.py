@@ -6,8 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import torch
 
+from jagg_lightning.callbacks.images import log_image
 from jagg_lightning.io import atomic_write
 
 
@@ -18,7 +20,8 @@ def log_dir(trainer: L.Trainer) -> Path:
 
 class RoutingStats(L.Callback):
     """Logs ``routing/*`` every training step through ``pl_module.log`` (any Lightning logger) and
-    writes ``routing.png`` (routing frequency per timestep, score distribution) at the end of fit."""
+    writes ``routing.png`` (routing frequency per timestep, score distribution) at the end of fit, also sent
+    to every image-capable logger as ``routing``."""
 
     def __init__(self, plot: bool = True):
         super().__init__()
@@ -64,9 +67,10 @@ class RoutingStats(L.Callback):
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if self.plot and trainer.is_global_zero and self.routed_counts is not None:
-            self.save_plot(log_dir(trainer) / "routing.png", pl_module.times[: len(pl_module.trained_steps)])
+            self.save_plot(log_dir(trainer) / "routing.png", pl_module.times[: len(pl_module.trained_steps)], trainer)
 
-    def save_plot(self, path: Path, times: torch.Tensor) -> Path:
+    def save_plot(self, path: Path, times: torch.Tensor, trainer: L.Trainer | None = None) -> Path:
+        """Write the plot to ``path`` and, given a trainer, send it to its image-capable loggers as ``routing``."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -86,5 +90,8 @@ class RoutingStats(L.Callback):
         ax_score.legend()
         fig.tight_layout()
         atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+        if trainer is not None:
+            fig.canvas.draw()
+            log_image(trainer, "routing", np.asarray(fig.canvas.buffer_rgba())[..., :3].copy(), trainer.global_step)
         plt.close(fig)
         return path

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from jagg_lightning.callbacks.images import log_image
 from jagg_lightning.callbacks.routing import log_dir
 from jagg_lightning.io import atomic_write
 from jagg_lightning.rollout import sample_generators, sample_trajectories
@@ -26,8 +27,8 @@ def image_grid(rows: list[list[torch.Tensor]]) -> np.ndarray:
 class SampleImages(L.Callback):
     """Every ``every_n_steps`` training steps and at the end of fit: one row per prompt, columns
     [adapter off, adapter on] (EMA weights when enabled), same seed for both. Writes
-    ``<dirpath>/step_XXXXXX.png`` (default dirpath: ``<log dir>/samples``) and sends the grid to loggers
-    that take images (TensorBoard's ``add_image``, or a logger's ``log_image``)."""
+    ``<dirpath>/step_XXXXXX.png`` (default dirpath: ``<log dir>/samples``) and sends the grid to every
+    logger that takes images (:func:`jagg_lightning.callbacks.images.log_image`)."""
 
     def __init__(self, prompts: list[str], every_n_steps: int = 50, seed: int = 0, num_steps: int | None = None,
                  dirpath: str | None = None):
@@ -69,12 +70,7 @@ class SampleImages(L.Callback):
         path = Path(self.dirpath or log_dir(trainer) / "samples") / f"step_{trainer.global_step:06d}.png"
         atomic_write(path, lambda tmp: Image.fromarray(grid).save(tmp, format="PNG"))
         self.written.append(path)
-        for logger in trainer.loggers:
-            experiment = getattr(logger, "experiment", None)
-            if hasattr(logger, "log_image"):
-                logger.log_image(key="samples", images=[grid], step=trainer.global_step)
-            elif hasattr(experiment, "add_image"):
-                experiment.add_image("samples", grid, trainer.global_step, dataformats="HWC")
+        log_image(trainer, "samples", grid, trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._step += 1

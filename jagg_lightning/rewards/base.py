@@ -37,6 +37,28 @@ def require_path(reward: str, field: str, path: str | None, allow_download: bool
     return path
 
 
+class RewardError(RuntimeError):
+    """A reward failed while scoring; the message names it."""
+
+
+def _plain_args(value):
+    """Constructor arguments as plain data (rewards as their descriptions); TypeError for anything else."""
+    if isinstance(value, Reward):
+        described = value.describe()
+        if "not_rebuildable" in described:
+            raise TypeError(described["not_rebuildable"])
+        return described
+    if isinstance(value, dict):
+        return {str(k): _plain_args(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_args(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise TypeError(f"argument of type {type(value).__name__} is not plain data")
+
+
 class Reward(nn.Module):
     """A frozen scorer. Subclasses implement :meth:`score`; ``forward`` checks inputs and outputs.
 
@@ -47,8 +69,32 @@ class Reward(nn.Module):
 
     name: str = "reward"
 
+    def __new__(cls, *args, **kwargs):
+        # remember the constructor arguments, so the hyper-parameters can describe (and rebuild) the reward
+        obj = super().__new__(cls)
+        object.__setattr__(obj, "_init_call", (args, kwargs))
+        return obj
+
     def __init__(self):
         super().__init__()
+
+    def describe(self) -> dict:
+        """Plain data: ``{"class_path", "init_args"}`` (nested rewards described alike), or, when an argument
+        is not plain data, ``{"class_path", "not_rebuildable": why}``."""
+        import inspect
+
+        cls = type(self)
+        path = f"{cls.__module__}.{cls.__qualname__}"
+        args, kwargs = getattr(self, "_init_call", ((), {}))
+        try:
+            bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
+        except TypeError as err:
+            return {"class_path": path, "not_rebuildable": str(err)}
+        init_args = {k: v for k, v in bound.arguments.items() if k != next(iter(bound.arguments))}
+        try:
+            return {"class_path": path, "init_args": _plain_args(init_args)}
+        except TypeError as err:
+            return {"class_path": path, "not_rebuildable": str(err)}
 
     def freeze(self) -> Reward:
         """Call at the end of a subclass ``__init__``, once the scorer's weights exist."""
@@ -64,7 +110,13 @@ class Reward(nn.Module):
     @torch.no_grad()
     def forward(self, images: Tensor, prompts: list[str]) -> Tensor:
         check_images(images, prompts, self.name)
-        scores = self.score(images, prompts).to(device=images.device, dtype=torch.float32).reshape(-1)
+        try:
+            scores = self.score(images, prompts)
+        except RewardError:
+            raise
+        except Exception as err:  # name the scorer that failed (inside a WeightedReward too)
+            raise RewardError(f"reward {self.name} ({type(self).__name__}) failed: {type(err).__name__}: {err}") from err
+        scores = scores.to(device=images.device, dtype=torch.float32).reshape(-1)
         if scores.shape[0] != images.shape[0]:
             raise RuntimeError(f"reward {self.name}: returned {scores.shape[0]} scores for {images.shape[0]} images")
         if not torch.isfinite(scores).all():

@@ -1,0 +1,36 @@
+"""``jagg predict`` writes what it draws: one PNG per image, named by prompt index and sample."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from lightning.pytorch.callbacks import BasePredictionWriter
+from PIL import Image
+
+from jagg_lightning.io import atomic_write
+
+
+class PredictionImages(BasePredictionWriter):
+    """Writes ``<dirpath>/p{index:05d}_s{sample:02d}.png`` for every predicted image and ``prompts.jsonl``
+    (index, sample, prompt, file). dirpath None = ``<default_root_dir>/predictions``."""
+
+    def __init__(self, dirpath: str | None = None):
+        super().__init__(write_interval="batch")
+        self.dirpath = dirpath
+        self.written: list[Path] = []
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
+        root = Path(self.dirpath or Path(trainer.default_root_dir) / "predictions")
+        root.mkdir(parents=True, exist_ok=True)
+        lines = []
+        for image, prompt, index, sample in zip(prediction["images"], prediction["prompt"], prediction["index"],
+                                                prediction["sample"]):
+            path = root / f"p{int(index):05d}_s{int(sample):02d}.png"
+            array = (image.permute(1, 2, 0).float().numpy() * 255).round().astype(np.uint8)
+            atomic_write(path, lambda tmp, a=array: Image.fromarray(a).save(tmp, format="PNG"))
+            self.written.append(path)
+            lines.append(json.dumps({"index": int(index), "sample": int(sample), "prompt": prompt, "file": path.name}))
+        with open(root / f"prompts.rank{trainer.global_rank}.jsonl", "a", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in lines))
