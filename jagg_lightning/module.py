@@ -393,9 +393,9 @@ class JAGGModule(L.LightningModule):
         """The reward's total and components; a failure is re-raised naming the reward."""
         try:
             return self.reward_fn.score_with_components(images, prompts)
-        except RewardError:
-            raise
         except Exception as err:
+            if isinstance(err, RewardError) or str(err).startswith("reward "):  # already names the reward
+                raise
             raise RewardError(f"reward {self.reward_fn.name} ({type(self.reward_fn).__name__}) failed while scoring "
                               f"{len(prompts)} images: {type(err).__name__}: {err}") from err
 
