@@ -600,9 +600,11 @@ class JAGGModule(L.LightningModule):
         sums = torch.stack([self._eval_sums[n] for n in names])
         sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
         self.log_dict({f"{stage}/{n}": (s[0] / s[1]).float() for n, s in zip(names, sums)}, sync_dist=False)
+        from jagg_lightning.callbacks.routing import log_dir
+
+        directory = log_dir(self.trainer) / "samples"  # on every process: trainer.log_dir broadcasts
         if self._eval_grid and self.trainer.is_global_zero:
             from jagg_lightning.callbacks.images import log_image
-            from jagg_lightning.callbacks.routing import log_dir
             from jagg_lightning.callbacks.samples import image_grid
             from jagg_lightning.io import atomic_write
             from PIL import Image
@@ -610,7 +612,7 @@ class JAGGModule(L.LightningModule):
             images = torch.cat(self._eval_grid)
             per_row = self.evaluation.samples_per_prompt
             grid = image_grid([list(images[i : i + per_row]) for i in range(0, len(images), per_row)])
-            path = log_dir(self.trainer) / "samples" / f"{stage}_step_{self.global_step:06d}.png"
+            path = directory / f"{stage}_step_{self.global_step:06d}.png"
             atomic_write(path, lambda tmp: Image.fromarray(grid).save(tmp, format="PNG"))
             log_image(self.trainer, f"{stage}/samples", grid, self.global_step)
 

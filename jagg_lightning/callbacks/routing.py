@@ -14,7 +14,9 @@ from jagg_lightning.io import atomic_write
 
 
 def log_dir(trainer: L.Trainer) -> Path:
-    """The run's log directory (the first logger's), or ``default_root_dir`` without a logger."""
+    """The run's log directory (the first logger's), or ``default_root_dir`` without a logger.
+
+    ``trainer.log_dir`` broadcasts from rank 0: call this on EVERY process, before any rank-zero-only branch."""
     return Path(trainer.log_dir or trainer.default_root_dir)
 
 
@@ -66,8 +68,11 @@ class RoutingStats(L.Callback):
         return self.routed_counts / max(1, self.steps_seen)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        if self.plot and trainer.is_global_zero and self.routed_counts is not None:
-            self.save_plot(log_dir(trainer) / "routing.png", pl_module.times[: len(pl_module.trained_steps)], trainer)
+        if not self.plot or self.routed_counts is None:
+            return
+        path = log_dir(trainer) / "routing.png"  # on every process (it broadcasts)
+        if trainer.is_global_zero:
+            self.save_plot(path, pl_module.times[: len(pl_module.trained_steps)], trainer)
 
     def save_plot(self, path: Path, times: torch.Tensor, trainer: L.Trainer | None = None) -> Path:
         """Write the plot to ``path`` and, given a trainer, send it to its image-capable loggers as ``routing``."""

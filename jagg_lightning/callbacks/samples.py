@@ -65,9 +65,9 @@ class SampleImages(L.Callback):
 
     def _write(self, trainer, pl_module) -> None:
         grid = self.sample(pl_module)
-        if not trainer.is_global_zero:
-            return
         path = Path(self.dirpath or log_dir(trainer) / "samples") / f"step_{trainer.global_step:06d}.png"
+        if not trainer.is_global_zero:  # log_dir above runs on every process: it broadcasts
+            return
         atomic_write(path, lambda tmp: Image.fromarray(grid).save(tmp, format="PNG"))
         self.written.append(path)
         log_image(trainer, "samples", grid, trainer.global_step)
