@@ -18,7 +18,7 @@ import torch
 from jagg_lightning.grpo import group_advantages
 from jagg_lightning.jagg import accumulate_gradients
 from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
-from jagg_lightning.policy import PolicyConfig
+from jagg_lightning.policies import PolicyConfig
 
 CONFIGS = {
     "exact": dict(jagg_frac=0.0),
@@ -31,12 +31,14 @@ CONFIGS = {
 
 
 def build(jagg: dict, args) -> JAGGModule:
-    return JAGGModule(
+    module = JAGGModule(
         PolicyConfig(lora_rank=8, lora_alpha=16, guidance_scale=args.guidance, max_sequence_length=8),
         SamplingConfig(num_steps=args.steps + 1, group_size=args.samples // 2, rollout_batch_size=args.samples),
         GRPOConfig(train_batch_size=args.samples),
         JAGGConfig(**({"window_size": 4} | jagg)),
     )
+    module.configure_model()
+    return module
 
 
 def update_once(module: JAGGModule, rollout) -> tuple[float, dict]:

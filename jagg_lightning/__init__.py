@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.module import EvalConfig, GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
-from jagg_lightning.policy import PolicyConfig, SD3Policy
+from jagg_lightning.policies import PolicyConfig
+from jagg_lightning.policies.sd3 import SD3Policy
 
 __all__ = ["EvalConfig", "GRPOConfig", "JAGGConfig", "JAGGModule", "PolicyConfig", "PromptDataModule", "SD3Policy", "SamplingConfig"]

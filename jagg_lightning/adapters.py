@@ -50,7 +50,7 @@ def adapter_identity(policy) -> dict:
         "base_model": str(base),
         "lora_rank": int(config.lora_rank),
         "lora_alpha": float(config.lora_alpha),
-        "lora_targets": sorted(str(t) for t in config.lora_targets),
+        "lora_targets": sorted(str(t) for t in policy.lora_targets),  # the family's default when null
     }
 
 

@@ -46,11 +46,10 @@ from jagg_lightning.jagg import (
     route_windows,
     routing_score,
 )
-from jagg_lightning.policy import PolicyConfig, SD3Policy
+from jagg_lightning.policies import Policy, PolicyConfig, build_policy
 from jagg_lightning.rewards import Reward, build_reward, describe_reward
 from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.rollout import Trajectory, sample_generators, sample_seed, sample_trajectories
-from jagg_lightning.sde import flow_match_sigmas
 
 
 @dataclass
@@ -248,9 +247,12 @@ def default_optimizer(params):
 
 
 class JAGGModule(L.LightningModule):
-    """GRPO with JAGG window gradients on a LoRA-adapted SD3 transformer (manual optimization).
+    """GRPO with JAGG window gradients on a LoRA-adapted flow-matching transformer (manual optimization).
 
     Drop it into any ``Trainer``: ``Trainer(max_steps=...).fit(JAGGModule(...), PromptDataModule(...))``.
+    ``__init__`` only validates; the policy (``policies/``, any supported family) is built in
+    :meth:`configure_model`, which the Trainer and ``load_from_checkpoint`` call (call it yourself to use
+    ``module.policy`` outside a Trainer).
 
     Checkpoints hold only the trainable LoRA weights (plus optimizer, scheduler, EMA and RNG states,
     and Lightning's counters); the frozen weights are rebuilt from ``policy`` on load.
@@ -307,10 +309,12 @@ class JAGGModule(L.LightningModule):
                 "reward_workers": reward_workers, "evaluation": _plain(self.evaluation),
             })
 
-        self.policy = SD3Policy(self.policy_config)
+        # the policy and the EMA of its LoRA are built in configure_model; windows need only the config
+        self.ema_decay = ema_decay
+        self.ema: LoRAEMA | None = None
+        self._schedules: dict[tuple, Tensor] = {}
         self.trained_steps = list(range(self.sampling.num_trained))
         self.windows: list[Window] = plan_windows(self.trained_steps, self.jagg.window_size, self.jagg.chained)
-        self.ema = None if ema_decay is None else LoRAEMA(self._trainable_named_parameters(), ema_decay)
         self.window_records: list[WindowRecord] = []  # of the last training step, all micro-batches
         self.first_update_ratio_deviation = float("nan")  # max |rho - 1| in the first update of the last step
         self.last_rollout: RolloutBatch | None = None
@@ -325,6 +329,26 @@ class JAGGModule(L.LightningModule):
         return self.ema.applied() if self.ema is not None else nullcontext()
 
     # ------------------------------------------------------------------ setup
+    def configure_model(self) -> None:
+        """Build (or load) the policy -- here rather than in ``__init__`` so that a strategy can wrap or
+        shard it as it is created. Idempotent: the Trainer calls it for every fit/validate/predict."""
+        if "policy" in self._modules:
+            return
+        self.policy: Policy = build_policy(self.policy_config)
+        if self.ema_decay is not None:
+            self.ema = LoRAEMA(self._trainable_named_parameters(), self.ema_decay)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "policy":
+                raise AttributeError(
+                    "JAGGModule.policy is built in configure_model(): the Trainer calls it; outside a Trainer "
+                    "call module.configure_model() first"
+                ) from None
+            raise
+
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(self.policy.lora_parameters())
         _check_learning_rates(optimizer)
@@ -333,9 +357,13 @@ class JAGGModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": self.lr_scheduler_factory(optimizer)}
 
     def schedule(self, num_steps: int | None = None) -> Tensor:
-        """The sampling times t_0 = 1 > ... > t_S = 0 (default: the rollout's ``num_steps``)."""
-        shift = self.sampling.shift or self.policy.scheduler_shift
-        return flow_match_sigmas(num_steps or self.sampling.num_steps, shift)
+        """The sampling times t_0 = 1 > ... > t_S = 0 (default: the rollout's ``num_steps``): the family
+        pipeline's own scheduler sigmas at the policy's resolution, or a static ``sampling.shift``."""
+        num_steps = num_steps or self.sampling.num_steps
+        key = (num_steps, self.sampling.shift)
+        if key not in self._schedules:
+            self._schedules[key] = self.policy.schedule(num_steps, self.sampling.shift)
+        return self._schedules[key]
 
     @property
     def times(self) -> Tensor:

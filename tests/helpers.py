@@ -3,7 +3,8 @@
 import torch
 
 from jagg_lightning.grpo import StepRecord, step_loss
-from jagg_lightning.policy import PolicyConfig, SD3Policy
+from jagg_lightning.policies import PolicyConfig
+from jagg_lightning.policies.sd3 import SD3Policy
 
 TINY_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                 "attn.add_v_proj", "attn.to_add_out", "proj_out"]

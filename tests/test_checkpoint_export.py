@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from jagg_lightning.callbacks import AtomicCheckpointIO, LoRAExport, export_lora
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
-from jagg_lightning.policy import build_tiny_sd3_pipeline
+from jagg_lightning.policies.sd3 import build_tiny_sd3_pipeline
 
 from helpers import randomize_lora_b, tiny_policy_config
 
@@ -34,6 +34,7 @@ def module_for_resume(seed):
         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.9),
         ema_decay=0.8,
     )
+    module.configure_model()
     randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
     return module
 

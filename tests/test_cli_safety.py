@@ -18,7 +18,7 @@ import jagg_lightning.module as module_lib
 from jagg_lightning.cli import cli_main
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
-from jagg_lightning.policy import PolicyConfig
+from jagg_lightning.policies import PolicyConfig
 from jagg_lightning.rewards import JpegCompressibility, Reward, WeightedReward
 
 from helpers import TINY_TARGETS, randomize_lora_b, tiny_policy_config
@@ -64,7 +64,7 @@ def no_model(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built before the bad value was reported")
 
-    monkeypatch.setattr(module_lib, "SD3Policy", refuse)
+    monkeypatch.setattr(module_lib, "build_policy", refuse)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -162,7 +162,7 @@ def test_resume_applies_safe_overrides_and_refuses_unsafe_ones(cli_run, tmp_path
               "--trainer.logger", "false", "--trainer.callbacks", "null", "--trainer.val_check_interval", "null",
               "--lora_export.dirpath", str(tmp_path / "lora")]
     with monkeypatch.context() as patch:
-        patch.setattr(module_lib, "SD3Policy", lambda *a, **k: pytest.fail("built a model"))
+        patch.setattr(module_lib, "build_policy", lambda *a, **k: pytest.fail("built a model"))
         with pytest.raises(SystemExit):
             cli_main(["fit", *common, "--model.policy.lora_rank", "8", "--model.jagg.jagg_frac", "0.25"])
     err = capsys.readouterr().err

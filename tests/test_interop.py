@@ -16,7 +16,7 @@ from jagg_lightning.adapters import PEFT_KEY_PREFIX
 from jagg_lightning.callbacks import AtomicCheckpointIO, LoRAExport
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
-from jagg_lightning.policy import build_tiny_sd3_pipeline
+from jagg_lightning.policies.sd3 import build_tiny_sd3_pipeline
 from jagg_lightning.rewards import JpegCompressibility, JpegIncompressibility, Reward, WeightedReward
 
 from helpers import randomize_lora_b, tiny_policy_config
@@ -34,6 +34,7 @@ def small_module(seed, reward="jpeg_compressibility", ema_decay=0.5, **policy):
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
         ema_decay=ema_decay,
     )
+    module.configure_model()
     randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
     return module
 

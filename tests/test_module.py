@@ -16,7 +16,7 @@ from jagg_lightning.cli import cli_main
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.grpo import group_advantages
 from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
-from jagg_lightning.policy import SD3Policy, build_tiny_sd3_pipeline
+from jagg_lightning.policies.sd3 import SD3Policy, build_tiny_sd3_pipeline
 
 from helpers import exact_per_step_gradient, randomize_lora_b, rel_error, tiny_policy_config
 
@@ -33,6 +33,7 @@ def make_module(seed, dtype="float32", jagg_frac=0.5, lr=1e-3, optimizer=None, *
         JAGGConfig(window_size=3, jagg_frac=jagg_frac),
         optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=lr)),
     )
+    module.configure_model()
     randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
     return module
 
@@ -197,7 +198,7 @@ def test_bad_configuration_fails_before_compute(build, field, monkeypatch):
     def no_model(*args, **kwargs):
         raise AssertionError("the policy was built before the configuration was checked")
 
-    monkeypatch.setattr(module_lib, "SD3Policy", no_model)
+    monkeypatch.setattr(module_lib, "build_policy", no_model)
     with pytest.raises(ValueError, match=field.replace(".", r"\.")) as info:
         build()
     assert "must" in str(info.value)

@@ -9,7 +9,7 @@ import torch
 from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.policy import tiny_clip_tokenizer
+from jagg_lightning.policies.tiny import tiny_clip_tokenizer
 from jagg_lightning.rewards import (
     AestheticReward,
     CLIPScoreReward,

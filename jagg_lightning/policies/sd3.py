@@ -1,20 +1,26 @@
-"""The policy: a LoRA-adapted Stable Diffusion 3 transformer with frozen text encoders and VAE.
+"""Stable Diffusion 3 / 3.5: ``SD3Transformer2DModel`` with joint attention, CLIP-L + CLIP-G (+ T5)
+prompt encoding, classifier-free guidance with a second forward, a static-shift flow-match schedule.
 
-Built from ``pretrained`` (a local directory or a hub id, through diffusers' own ``from_pretrained``)
-or, when ``pretrained`` is None, from a tiny random configuration (fixed seed) with a character-level
-CLIP tokenizer built offline, so the default run needs no download. The tiny pipeline is a real
-``StableDiffusion3Pipeline``: it saves with ``save_pretrained`` and loads back through ``pretrained``.
+SD3.5 is the same family: its transformer adds ``dual_attention_layers`` (MMDiT-X: a second,
+image-only attention ``attn2`` in the first layers) and ``qk_norm="rms_norm"``; the LoRA targets
+below name the joint-attention projections of both streams, which every SD3 / SD3.5 block has.
+
+Condition (batch-first): ``(prompt_embeds [n, L, D], pooled [n, P])`` plus, with guidance,
+``(negative_prompt_embeds, negative_pooled)``. Latent: ``[C, H / 8, W / 8]`` (the VAE's scaled,
+shifted latent), patchified inside the transformer.
+
+With ``pretrained`` None the tiny twin is a real random ``StableDiffusion3Pipeline`` (no T5, 32 px
+images, character-level CLIP tokenizers built offline); ``build_tiny_sd3_pipeline`` adds a T5 that
+outputs zeros, so a saved twin loads back through ``pretrained`` with identical velocities.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-
 import torch
 from torch import Tensor, nn
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+from jagg_lightning.policies.base import Policy, PolicyConfig
+from jagg_lightning.policies.tiny import tiny_clip_tokenizer
 
 # Flow-GRPO's SD3 LoRA targets: the joint-attention projections of both streams.
 SD3_LORA_TARGETS = [
@@ -27,62 +33,6 @@ SD3_LORA_TARGETS = [
     "attn.add_v_proj",
     "attn.to_add_out",
 ]
-
-
-@dataclass
-class PolicyConfig:
-    """What to load and how to adapt it.
-
-    pretrained: local directory or hub id of a StableDiffusion3Pipeline; None builds the tiny model.
-    lora_rank / lora_alpha / lora_targets: the peft LoRA (Flow-GRPO SD3 default r 32, alpha 64).
-    guidance_scale: classifier-free guidance, 1.0 = off (one forward instead of two).
-    resolution: image side in pixels; None = the transformer's native sample size.
-    dtype: dtype of the frozen weights; LoRA weights and SDE math stay float32 (float64 if chosen).
-    """
-
-    pretrained: str | None = None
-    lora_rank: int = 32
-    lora_alpha: float = 64.0
-    lora_targets: list[str] = field(default_factory=lambda: list(SD3_LORA_TARGETS))
-    guidance_scale: float = 4.5
-    negative_prompt: str = ""
-    max_sequence_length: int = 128
-    resolution: int | None = None
-    dtype: str = "float32"
-    load_t5: bool = True
-    seed: int = 0
-
-    def __post_init__(self):
-        def integer(name, value, allowed, ok):
-            if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
-                raise ValueError(f"policy.{name} must be {allowed}, got {value!r}")
-
-        integer("lora_rank", self.lora_rank, "an integer >= 1", lambda v: v >= 1)
-        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or not self.lora_alpha > 0:
-            raise ValueError(f"policy.lora_alpha must be a number > 0, got {self.lora_alpha!r}")
-        if not isinstance(self.guidance_scale, (int, float)) or self.guidance_scale < 1.0:
-            raise ValueError(f"policy.guidance_scale must be >= 1.0 (1.0 = off), got {self.guidance_scale!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"policy.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        integer("max_sequence_length", self.max_sequence_length, "an integer >= 1", lambda v: v >= 1)
-        if self.resolution is not None:  # the multiple of VAE factor x patch size is checked against the model
-            integer("resolution", self.resolution, "an integer >= 1 (pixels) or null", lambda v: v >= 1)
-        integer("seed", self.seed, "an integer", lambda v: True)
-        if isinstance(self.lora_targets, str) or not self.lora_targets or not all(
-                isinstance(t, str) and t for t in self.lora_targets):
-            raise ValueError(f"policy.lora_targets must be a non-empty list of module names, got {self.lora_targets!r}")
-
-
-def tiny_clip_tokenizer(max_length: int = 32):
-    """A character-level CLIP BPE tokenizer (no merges) built offline from the byte alphabet."""
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import CLIPTokenizer
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for suffix in ("", "</w>"):
-        for ch in sorted(ByteLevel.alphabet()):
-            vocab[ch + suffix] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
 
 
 def tiny_zero_t5(d_model: int):
@@ -104,10 +54,13 @@ def tiny_zero_t5(d_model: int):
     return encoder, tokenizer
 
 
-def build_tiny_sd3_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32, with_t5: bool = True):
+def build_tiny_sd3_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32, with_t5: bool = True, sd35: bool = False):
     """A random StableDiffusion3Pipeline small enough to train on 2 CPU cores (32 px images). Its T5 outputs
     zeros, exactly what the pipeline uses without one (``with_t5=False``, what the policy trains with);
-    it is there so ``save_pretrained`` then a plain ``StableDiffusion3Pipeline.from_pretrained`` round-trips."""
+    it is there so ``save_pretrained`` then a plain ``StableDiffusion3Pipeline.from_pretrained`` round-trips.
+
+    ``sd35``: the SD3.5 (MMDiT-X) shape -- a dual-attention first layer and RMS QK-norm.
+    """
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
@@ -121,10 +74,11 @@ def build_tiny_sd3_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32, w
         )
         text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
         text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
+        sd35_kw = dict(dual_attention_layers=(0,), qk_norm="rms_norm") if sd35 else {}
         transformer = SD3Transformer2DModel(
             sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
             num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=32,
-            pos_embed_max_size=16,
+            pos_embed_max_size=16, **sd35_kw,
         )
         vae = AutoencoderKL(
             in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
@@ -157,34 +111,26 @@ def load_sd3_pipeline(pretrained: str, dtype: torch.dtype, load_t5: bool = True)
     return StableDiffusion3Pipeline.from_pretrained(pretrained, torch_dtype=dtype, **absent)
 
 
-class SD3Policy(nn.Module):
-    """Frozen SD3 parts plus a trainable peft LoRA on the transformer.
+class SD3Policy(Policy):
+    """Frozen SD3 / SD3.5 parts plus a trainable peft LoRA on the transformer.
 
     Conditioning is batch-first: ``(prompt_embeds, pooled, negative_prompt_embeds, negative_pooled)``
     (the last two only with guidance), so it can be sliced and concatenated per sample.
     """
 
     family = "sd3"
+    pipeline_class_name = "StableDiffusion3Pipeline"
+    default_lora_targets = SD3_LORA_TARGETS
 
-    @property
-    def pipeline_class(self):
-        """The diffusers pipeline class (its ``save_lora_weights`` / ``load_lora_weights`` define the LoRA file)."""
-        from diffusers import StableDiffusion3Pipeline
+    @classmethod
+    def build_tiny_pipeline(cls, seed: int = 0, dtype: torch.dtype = torch.float32):
+        return build_tiny_sd3_pipeline(seed, dtype, with_t5=False)
 
-        return StableDiffusion3Pipeline
+    @classmethod
+    def load_pipeline(cls, pretrained: str, dtype: torch.dtype, config: PolicyConfig):
+        return load_sd3_pipeline(pretrained, dtype, config.load_t5)
 
-    def __init__(self, config: PolicyConfig | None = None, pipeline=None):
-        super().__init__()
-        from diffusers.training_utils import cast_training_params
-        from peft import LoraConfig
-
-        self.config = config = config or PolicyConfig()
-        dtype = DTYPES[config.dtype]
-        if pipeline is None:
-            if config.pretrained is None:
-                pipeline = build_tiny_sd3_pipeline(config.seed, dtype, with_t5=False)
-            else:
-                pipeline = load_sd3_pipeline(config.pretrained, dtype, config.load_t5)
+    def setup(self, pipeline) -> None:
         self.transformer = pipeline.transformer
         self.vae = pipeline.vae
         self.text_encoders = nn.ModuleList(
@@ -194,26 +140,12 @@ class SD3Policy(nn.Module):
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.latent_channels = self.transformer.config.in_channels
         native = self.transformer.config.sample_size * self.vae_scale_factor
-        self.resolution = native if config.resolution is None else config.resolution
+        self.resolution = native if self.config.resolution is None else self.config.resolution
         if self.resolution % (self.vae_scale_factor * self.transformer.config.patch_size):
             raise ValueError(
                 f"policy.resolution must be a multiple of {self.vae_scale_factor * self.transformer.config.patch_size}, "
                 f"got {self.resolution}"
             )
-        # the pipeline is kept (outside the module tree) only for its prompt encoding
-        object.__setattr__(self, "_pipeline", pipeline)
-        for module in (self.transformer, self.vae, self.text_encoders):
-            module.requires_grad_(False)
-            module.eval()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed + 1)
-            self.transformer.add_adapter(
-                LoraConfig(
-                    r=config.lora_rank, lora_alpha=config.lora_alpha, init_lora_weights="gaussian",
-                    target_modules=list(config.lora_targets),
-                )
-            )
-        cast_training_params(self.transformer, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -224,15 +156,22 @@ class SD3Policy(nn.Module):
     def guided(self) -> bool:
         return self.config.guidance_scale > 1.0
 
-    def lora_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.transformer.parameters() if p.requires_grad]
+    def scheduler_kwargs(self, num_steps: int) -> dict:
+        """As ``StableDiffusion3Pipeline``: mu from the image sequence length only with dynamic shifting."""
+        if not self.scheduler.config.get("use_dynamic_shifting", False):
+            return {}
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+        side = self.latent_shape[-1] // self.transformer.config.patch_size
+        cfg = self.scheduler.config
+        return {"mu": calculate_shift(side * side, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                                      cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.16))}
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> tuple[Tensor, ...]:
         """Prompt embeddings through the pipeline's own ``encode_prompt`` (frozen encoders)."""
-        device = next(self.transformer.parameters()).device
         pe, neg_pe, pooled, neg_pooled = self._pipeline.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=device,
+            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device,
             do_classifier_free_guidance=self.guided, negative_prompt=[self.config.negative_prompt] * len(prompts),
             max_sequence_length=self.config.max_sequence_length,
         )
@@ -256,15 +195,6 @@ class SD3Policy(nn.Module):
             hidden_states=z.to(dtype), timestep=timestep, encoder_hidden_states=pe, pooled_projections=pooled,
             return_dict=False,
         )[0]
-
-    @contextmanager
-    def adapter_disabled(self):
-        """The KL reference: the same transformer with the LoRA switched off."""
-        self.transformer.disable_adapters()
-        try:
-            yield
-        finally:
-            self.transformer.enable_adapters()
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:

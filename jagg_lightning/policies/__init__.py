@@ -1,0 +1,107 @@
+"""Model families behind one policy interface (``base.Policy``), one file per family.
+
+A family is chosen by ``policy.family`` or detected from the pipeline's ``model_index.json``
+(``_class_name``); with neither (no ``pretrained``) the tiny SD3 twin is built. To add a family, write
+``policies/<name>.py`` (see ``base.py``) and add one ``register_family`` line below.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from jagg_lightning.policies.base import DTYPES, Policy, PolicyConfig
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    pipeline_classes: tuple[str, ...]  # model_index.json ``_class_name`` values this family trains
+    module: str
+    policy: str  # class name inside ``module``
+
+    def policy_class(self) -> type[Policy]:
+        return getattr(importlib.import_module(self.module), self.policy)
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(name: str, pipeline_classes: tuple[str, ...], module: str, policy: str) -> None:
+    FAMILIES[name] = Family(name, tuple(pipeline_classes), module, policy)
+
+
+register_family("sd3", ("StableDiffusion3Pipeline",), "jagg_lightning.policies.sd3", "SD3Policy")
+if importlib.util.find_spec("jagg_lightning.policies.flux") is not None:
+    register_family("flux", ("FluxPipeline",), "jagg_lightning.policies.flux", "FluxPolicy")
+if importlib.util.find_spec("jagg_lightning.policies.qwen_image") is not None:
+    register_family("qwen_image", ("QwenImagePipeline",), "jagg_lightning.policies.qwen_image", "QwenImagePolicy")
+
+
+def _supported() -> str:
+    return ", ".join(f"{f.name} ({'/'.join(f.pipeline_classes)})" for f in FAMILIES.values())
+
+
+def check_family(name: str) -> None:
+    if name not in FAMILIES:
+        raise ValueError(f"policy.family must be one of {sorted(FAMILIES)} or null (detect), got {name!r}")
+
+
+def pipeline_class_name(pretrained: str) -> str:
+    """``_class_name`` of a local pipeline directory's model_index.json, or of a hub id's (fetched alone)."""
+    index = Path(pretrained) / "model_index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["_class_name"]
+    if Path(pretrained).exists():
+        raise ValueError(f"policy.pretrained must be a diffusers pipeline directory with model_index.json, got {pretrained!r}")
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.load_config(pretrained)["_class_name"]
+
+
+def family_for_pipeline_class(class_name: str) -> Family:
+    for family in FAMILIES.values():
+        if class_name in family.pipeline_classes:
+            return family
+    raise ValueError(
+        f"pipeline class {class_name!r} is not supported; supported: {_supported()} "
+        "(or name one with policy.family)"
+    )
+
+
+def detect_family(config: PolicyConfig) -> Family:
+    """``config.family`` if given, else the family of ``config.pretrained``'s pipeline class, else sd3."""
+    if config.family is not None:
+        check_family(config.family)
+        return FAMILIES[config.family]
+    if config.pretrained is None:
+        return FAMILIES["sd3"]
+    return family_for_pipeline_class(pipeline_class_name(config.pretrained))
+
+
+def policy_class(config: PolicyConfig) -> type[Policy]:
+    return detect_family(config).policy_class()
+
+
+def build_policy(config: PolicyConfig, pipeline=None) -> Policy:
+    """Construct (or load) the policy of ``config``'s family."""
+    if pipeline is not None and config.family is None:
+        cls = family_for_pipeline_class(type(pipeline).__name__).policy_class()
+    else:
+        cls = policy_class(config)
+    return cls(config, pipeline)
+
+
+def __getattr__(name: str):
+    # family classes without importing every family (and its diffusers classes) up front
+    for family in FAMILIES.values():
+        if name == family.policy:
+            return family.policy_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["DTYPES", "FAMILIES", "Family", "Policy", "PolicyConfig", "build_policy", "check_family", "detect_family",
+           "family_for_pipeline_class", "policy_class", "register_family"]

@@ -1,0 +1,229 @@
+"""The policy interface every model family implements, and what the families share.
+
+A policy is a frozen diffusers pipeline (text encoders, VAE, transformer) plus a trainable peft LoRA on
+the transformer. The module, the engine and the callbacks call only what is listed here; nothing
+outside ``policies/`` knows a family's tensor layout.
+
+How to write a family (``policies/<family>.py``, then one line in ``policies/__init__.py``)::
+
+    class MyPolicy(Policy):
+        family = "my_family"                  # the name users give as ``policy.family``
+        pipeline_class_name = "MyPipeline"    # diffusers class; model_index.json ``_class_name``
+        default_lora_targets = [...]          # peft target_modules when policy.lora_targets is null
+
+        @classmethod
+        def build_tiny_pipeline(cls, seed, dtype): ...   # random, offline, a real pipeline instance
+        def setup(self, pipeline): ...                    # take what is needed: self.transformer, self.vae, ...
+        def encode_prompts(self, prompts): ...            # -> batch-first tuple of tensors
+        def velocity(self, z, t, cond): ...               # [n, *latent_shape] -> same shape, with guidance
+        def decode(self, latents): ...                    # -> images [n, 3, H, W] float32 in [0, 1]
+        @property
+        def latent_shape(self): ...                       # per-sample shape of z (what the SDE sees)
+
+The base class then provides loading (``load_pipeline``: diffusers' own ``from_pretrained``, never
+``trust_remote_code``), freezing, the LoRA (float32 trainable weights whatever the frozen dtype;
+float64 with float64), ``lora_parameters``, ``adapter_disabled`` (the KL reference),
+``enable_gradient_checkpointing`` and ``schedule``.
+
+Contract details the engine relies on:
+
+* ``encode_prompts(prompts)`` returns a tuple of tensors whose first dimension is the batch, so the
+  engine may ``repeat_interleave``, slice and concatenate it per sample (``batching.batch_slice``).
+  Negative / unconditional parts, when the family's guidance needs them, are further entries.
+* ``velocity(z, t, cond)``: ``z`` [n, *latent_shape] in the SDE dtype (float32, float64 in float64
+  runs), ``t`` [n] in [0, 1] (time runs 1 -> 0). It returns v = dz/dt with the family's guidance
+  applied (SD3: CFG with a second forward; FLUX.1-dev: embedded guidance, one forward), in the
+  transformer dtype; the engine upcasts for the SDE. Differentiable w.r.t. the LoRA weights.
+* ``schedule(num_steps, shift=None)``: float32 times t_0 = 1 > ... > t_S = 0 (length S + 1), equal
+  to the family pipeline's own scheduler sigmas for that step count and ``resolution`` (override
+  ``scheduler_kwargs`` for e.g. FLUX's resolution-dependent dynamic shift). ``shift`` forces a static
+  shift instead of the scheduler's.
+* ``guided``: whether ``cond`` carries the negative branch (CFG with two forwards).
+* ``pipeline_class``: the diffusers pipeline class (``save_lora_weights`` / ``load_lora_weights``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass
+class PolicyConfig:
+    """What to load and how to adapt it.
+
+    family: the model family ("sd3", "flux", ...); None = detected from the pipeline's model_index.json
+        (``_class_name``), or "sd3" when ``pretrained`` is None.
+    pretrained: local directory or hub id of the family's pipeline; None builds the family's tiny model.
+    lora_rank / lora_alpha / lora_targets: the peft LoRA; lora_targets None = the family's default
+        (Flow-GRPO's targets for that family).
+    guidance_scale: the family's guidance: CFG for SD3 (1.0 = off, one forward instead of two), the
+        embedded distilled guidance for FLUX.1-dev.
+    resolution: image side in pixels; None = the transformer's native sample size.
+    dtype: dtype of the frozen weights; LoRA weights and SDE math stay float32 (float64 if chosen).
+    """
+
+    pretrained: str | None = None
+    family: str | None = None
+    lora_rank: int = 32
+    lora_alpha: float = 64.0
+    lora_targets: list[str] | None = None
+    guidance_scale: float = 4.5
+    negative_prompt: str = ""
+    max_sequence_length: int = 128
+    resolution: int | None = None
+    dtype: str = "float32"
+    load_t5: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        def integer(name, value, allowed, ok):
+            if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+                raise ValueError(f"policy.{name} must be {allowed}, got {value!r}")
+
+        integer("lora_rank", self.lora_rank, "an integer >= 1", lambda v: v >= 1)
+        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or not self.lora_alpha > 0:
+            raise ValueError(f"policy.lora_alpha must be a number > 0, got {self.lora_alpha!r}")
+        if not isinstance(self.guidance_scale, (int, float)) or self.guidance_scale < 1.0:
+            raise ValueError(f"policy.guidance_scale must be >= 1.0 (1.0 = off), got {self.guidance_scale!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"policy.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        integer("max_sequence_length", self.max_sequence_length, "an integer >= 1", lambda v: v >= 1)
+        if self.resolution is not None:  # the multiple of VAE factor x patch size is checked against the model
+            integer("resolution", self.resolution, "an integer >= 1 (pixels) or null", lambda v: v >= 1)
+        integer("seed", self.seed, "an integer", lambda v: True)
+        if self.lora_targets is not None and (isinstance(self.lora_targets, str) or not self.lora_targets or not all(
+                isinstance(t, str) and t for t in self.lora_targets)):
+            raise ValueError("policy.lora_targets must be a non-empty list of module names or null (the family's "
+                             f"default), got {self.lora_targets!r}")
+        if self.family is not None:
+            from jagg_lightning.policies import check_family
+
+            check_family(self.family)
+
+
+class Policy(nn.Module):
+    """Frozen pipeline parts plus a trainable peft LoRA on ``self.transformer`` (see the module docstring)."""
+
+    family: str = ""
+    pipeline_class_name: str = ""
+    default_lora_targets: list[str] = []
+
+    def __init__(self, config: PolicyConfig | None = None, pipeline=None):
+        super().__init__()
+        from diffusers.training_utils import cast_training_params
+        from peft import LoraConfig
+
+        self.config = config = config or PolicyConfig(family=self.family)
+        dtype = DTYPES[config.dtype]
+        if pipeline is None:
+            if config.pretrained is None:
+                pipeline = self.build_tiny_pipeline(config.seed, dtype)
+            else:
+                pipeline = self.load_pipeline(config.pretrained, dtype, config)
+        # the pipeline is kept outside the module tree (its encode_prompt is reused); the scheduler is copied
+        object.__setattr__(self, "_pipeline", pipeline)
+        self.scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config)
+        self.setup(pipeline)
+        for module in self.frozen_modules():
+            module.requires_grad_(False)
+            module.eval()
+        # the effective peft target_modules (the family's default when policy.lora_targets is null)
+        self.lora_targets = targets = list(config.lora_targets if config.lora_targets is not None
+                                           else self.default_lora_targets)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed + 1)
+            self.transformer.add_adapter(
+                LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, init_lora_weights="gaussian",
+                           target_modules=targets)
+            )
+        cast_training_params(self.transformer, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+
+    # ------------------------------------------------------------------ what a family writes
+    @classmethod
+    def build_tiny_pipeline(cls, seed: int = 0, dtype: torch.dtype = torch.float32):
+        """A random instance of the family's pipeline, built offline, small enough for CPU tests."""
+        raise NotImplementedError
+
+    def setup(self, pipeline) -> None:
+        """Take the components from ``pipeline`` (at least ``self.transformer``) and check the config."""
+        raise NotImplementedError
+
+    def encode_prompts(self, prompts: list[str]) -> tuple[Tensor, ...]:
+        raise NotImplementedError
+
+    def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...]) -> Tensor:
+        raise NotImplementedError
+
+    def decode(self, latents: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def scheduler_kwargs(self, num_steps: int) -> dict:
+        """Extra arguments the family pipeline passes to ``retrieve_timesteps`` (sigmas, mu)."""
+        return {}
+
+    # ------------------------------------------------------------------ shared
+    @classmethod
+    def load_pipeline(cls, pretrained: str, dtype: torch.dtype, config: PolicyConfig):
+        """diffusers' own loading path; never ``trust_remote_code``."""
+        return cls.pipeline_class().from_pretrained(pretrained, torch_dtype=dtype)
+
+    @classmethod
+    def pipeline_class(cls):
+        import diffusers
+
+        return getattr(diffusers, cls.pipeline_class_name)
+
+    def frozen_modules(self) -> list[nn.Module]:
+        return [m for m in (getattr(self, "transformer", None), getattr(self, "vae", None),
+                            getattr(self, "text_encoders", None)) if m is not None]
+
+    @property
+    def guided(self) -> bool:
+        """True when ``cond`` carries a negative branch (classifier-free guidance with a second forward)."""
+        return False
+
+    def lora_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    @contextmanager
+    def adapter_disabled(self):
+        """The KL reference: the same transformer with the LoRA switched off."""
+        self.transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            self.transformer.enable_adapters()
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute the transformer blocks' activations in backward (diffusers' own switch)."""
+        self.transformer.enable_gradient_checkpointing()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    def schedule(self, num_steps: int, shift: float | None = None) -> Tensor:
+        """t_0 = 1 > ... > t_S = 0, float32 on the CPU: the family scheduler's sigmas for ``num_steps``
+        at ``resolution``, set the way the family pipeline sets them; ``shift`` forces a static shift."""
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import retrieve_timesteps
+
+        overrides = {} if shift is None else {"shift": float(shift), "use_dynamic_shifting": False}
+        scheduler = type(self.scheduler).from_config(self.scheduler.config, **overrides)
+        # a static shift replaces the dynamic one: the resolution's mu is then not passed
+        kwargs = {k: v for k, v in self.scheduler_kwargs(num_steps).items()
+                  if k != "mu" or scheduler.config.get("use_dynamic_shifting")}
+        if "sigmas" in kwargs:
+            retrieve_timesteps(scheduler, None, "cpu", **kwargs)
+        else:
+            retrieve_timesteps(scheduler, num_steps, "cpu", **kwargs)
+        return scheduler.sigmas.to(torch.float32)

@@ -1,0 +1,92 @@
+"""The family interface: detection, schedules equal to the family pipeline's, construction in configure_model."""
+
+import json
+
+import lightning as L
+import pytest
+import torch
+
+from jagg_lightning.data import PromptDataModule
+from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.policies import FAMILIES, PolicyConfig, build_policy, detect_family
+from jagg_lightning.policies.sd3 import SD3Policy, build_tiny_sd3_pipeline
+
+from helpers import randomize_lora_b, tiny_policy_config
+
+
+@pytest.fixture(scope="session")
+def saved_sd3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("families") / "sd3"
+    build_tiny_sd3_pipeline(0).save_pretrained(path)
+    return path
+
+
+def test_detection_picks_the_family_of_a_saved_pipeline(saved_sd3):
+    assert detect_family(PolicyConfig(pretrained=str(saved_sd3))).name == "sd3"
+    assert type(build_policy(tiny_policy_config(pretrained=str(saved_sd3)))) is SD3Policy
+    assert detect_family(PolicyConfig()).name == "sd3"  # no pretrained: the tiny SD3
+
+
+def test_unsupported_pipeline_class_names_the_supported_ones(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyPipeline"}))
+    with pytest.raises(ValueError, match="KandinskyPipeline") as info:
+        detect_family(PolicyConfig(pretrained=str(tmp_path)))
+    for family in FAMILIES.values():
+        assert family.name in str(info.value) and family.pipeline_classes[0] in str(info.value)
+    with pytest.raises(ValueError, match=r"policy\.family must be one of"):
+        PolicyConfig(family="kandinsky")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"policy\.pretrained must be"):
+        detect_family(PolicyConfig(pretrained=str(tmp_path / "empty")))
+
+
+@pytest.mark.parametrize("num_steps,shift", [(10, None), (6, None), (4, 2.0)])
+def test_schedule_equals_the_pipeline_scheduler(num_steps, shift):
+    """The times the engine samples at are the sigmas the family pipeline's own __call__ sets."""
+    pipe = build_tiny_sd3_pipeline(0)
+    policy = SD3Policy(tiny_policy_config(), pipeline=build_tiny_sd3_pipeline(0))
+    if shift is not None:  # a static shift override acts like a pipeline whose scheduler has that shift
+        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, shift=shift)
+    pipe(["a cat"], num_inference_steps=num_steps, height=policy.resolution, width=policy.resolution,
+         guidance_scale=1.0, output_type="latent", max_sequence_length=4)
+    times = policy.schedule(num_steps, shift)
+    assert times.dtype == torch.float32 and times.shape == (num_steps + 1,)
+    assert torch.equal(times, pipe.scheduler.sigmas.float())
+    assert torch.equal(times[:-1] * 1000, pipe.scheduler.timesteps.float())
+
+
+def small_module(seed, **kw):
+    return JAGGModule(tiny_policy_config(seed=seed), SamplingConfig(num_steps=4, group_size=2, seed=seed),
+                      GRPOConfig(train_batch_size=4), JAGGConfig(window_size=2, jagg_frac=0.5),
+                      optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), **kw)
+
+
+def test_init_only_validates_and_configure_model_builds_once(rng_seed):
+    module = small_module(rng_seed % 1000, ema_decay=0.9)
+    assert "policy" not in module._modules and module.ema is None
+    with pytest.raises(AttributeError, match="configure_model"):
+        module.policy  # noqa: B018
+    module.configure_model()
+    policy = module.policy
+    module.configure_model()
+    assert module.policy is policy and module.ema is not None
+    assert set(module.ema.shadow) == {n for n, p in module.named_parameters() if p.requires_grad}
+
+
+def test_load_from_checkpoint_builds_the_policy_and_restores_the_lora(tmp_path, rng_seed):
+    seed = rng_seed % 1000
+    module = small_module(seed)
+    module.configure_model()
+    randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, PromptDataModule(prompts=["a cat", "a dog"], batch_size=2))
+    trainer.save_checkpoint(tmp_path / "m.ckpt", weights_only=True)
+    loaded = JAGGModule.load_from_checkpoint(tmp_path / "m.ckpt", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+                                             weights_only=True)
+    fresh = small_module(seed)
+    fresh.configure_model()
+    trained = dict(module.named_parameters())
+    lora = [n for n, p in loaded.named_parameters() if p.requires_grad]
+    assert lora and all(torch.equal(dict(loaded.named_parameters())[n], trained[n]) for n in lora)
+    assert any(not torch.equal(dict(fresh.named_parameters())[n], trained[n]) for n in lora)
