@@ -17,6 +17,7 @@ How to write a family (``policies/<family>.py``, then one line in ``policies/__i
         def encode_prompts(self, prompts): ...            # -> batch-first tuple of tensors
         def velocity(self, z, t, cond): ...               # [n, *latent_shape] -> same shape, with guidance
         def decode(self, latents): ...                    # -> images [n, 3, H, W] float32 in [0, 1]
+                                                          #    (default: AutoencoderKL with scaling/shift)
         @property
         def latent_shape(self): ...                       # per-sample shape of z (what the SDE sees)
 
@@ -160,8 +161,14 @@ class Policy(nn.Module):
     def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...]) -> Tensor:
         raise NotImplementedError
 
+    @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
-        raise NotImplementedError
+        """Latents -> images [n, 3, H, W] in [0, 1], float32, through ``self.vae`` (an ``AutoencoderKL``
+        with ``scaling_factor`` / ``shift_factor``; a family with another VAE overrides this)."""
+        cfg = self.vae.config
+        latents = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+        images = self.vae.decode(latents, return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
@@ -175,13 +182,16 @@ class Policy(nn.Module):
     @classmethod
     def load_pipeline(cls, pretrained: str, dtype: torch.dtype, config: PolicyConfig):
         """diffusers' own loading path; never ``trust_remote_code``."""
-        return cls.pipeline_class().from_pretrained(pretrained, torch_dtype=dtype)
-
-    @classmethod
-    def pipeline_class(cls):
         import diffusers
 
-        return getattr(diffusers, cls.pipeline_class_name)
+        return getattr(diffusers, cls.pipeline_class_name).from_pretrained(pretrained, torch_dtype=dtype)
+
+    @property
+    def pipeline_class(self) -> type:
+        """The family's diffusers pipeline class (``save_lora_weights`` / ``load_lora_weights`` live there)."""
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_class_name)
 
     def frozen_modules(self) -> list[nn.Module]:
         return [m for m in (getattr(self, "transformer", None), getattr(self, "vae", None),

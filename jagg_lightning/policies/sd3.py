@@ -195,11 +195,3 @@ class SD3Policy(Policy):
             hidden_states=z.to(dtype), timestep=timestep, encoder_hidden_states=pe, pooled_projections=pooled,
             return_dict=False,
         )[0]
-
-    @torch.no_grad()
-    def decode(self, latents: Tensor) -> Tensor:
-        """Latents -> images [B, 3, H, W] in [0, 1], float32."""
-        cfg = self.vae.config
-        latents = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
-        images = self.vae.decode(latents, return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
