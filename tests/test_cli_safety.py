@@ -280,6 +280,7 @@ def eval_module(seed):
 
     module = JAGGModule(tiny_policy_config(seed=seed), SamplingConfig(num_steps=4, group_size=2),
                         jagg=JAGGConfig(window_size=2), evaluation=EvalConfig(num_steps=2, samples_per_prompt=2))
+    module.configure_model()
     randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
     return module
 
