@@ -44,13 +44,15 @@ def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
 def adapter_identity(policy) -> dict:
     """What a LoRA checkpoint only fits: the family, the base model and the adapter's shape (plain data)."""
     config = policy.config
-    base = config.pretrained if config.pretrained is not None else f"tiny-random(seed={config.seed})"
+    lora = policy.transformer.peft_config["default"]  # what the adapter really is, whatever the config calls it
+    pretrained = getattr(config, "pretrained", None)
+    base = pretrained if pretrained is not None else f"tiny-random(seed={getattr(config, 'seed', 0)})"
     return {
         "family": str(getattr(policy, "family", "sd3")),
         "base_model": str(base),
-        "lora_rank": int(config.lora_rank),
-        "lora_alpha": float(config.lora_alpha),
-        "lora_targets": sorted(str(t) for t in policy.lora_targets),  # the family's default when null
+        "lora_rank": int(lora.r),
+        "lora_alpha": float(lora.lora_alpha),
+        "lora_targets": sorted(str(t) for t in lora.target_modules),
     }
 
 
@@ -64,7 +66,7 @@ def save_adapter(policy, target: str | Path, step: int | None = None) -> Path:
     ``step`` (the trainer's global step) is recorded in ``adapter.json``."""
     transformer = policy.transformer
     config = copy.deepcopy(transformer.peft_config["default"])
-    if policy.config.pretrained is not None:
+    if getattr(policy.config, "pretrained", None) is not None:
         config.base_model_name_or_path = str(policy.config.pretrained)
     weights = lora_state_dict(transformer)
     with atomic_directory(target) as tmp:

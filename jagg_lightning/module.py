@@ -166,8 +166,8 @@ EVAL_STEP = -1  # the "global step" that seeds evaluation noise: the same at eve
 
 
 # trainer.precision -> the policy.dtype it needs ("true" precisions cast the module; None = any dtype)
-PRECISIONS = {"32-true": None, "bf16-mixed": None, "16-mixed": None, "bf16-true": "bfloat16", "16-true": "float16",
-              "64-true": "float64"}
+# 16-mixed is refused: its loss scaler unscales inside optimizer.step, after the manual gradient clipping
+PRECISIONS = {"32-true": None, "bf16-mixed": None, "bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}
 _PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true", "None": "32-true"}
 
 
@@ -175,6 +175,8 @@ def check_precision(precision, dtype: str | None) -> str:
     """Refuse Lightning precisions the module cannot honour; "-true" ones must match ``policy.dtype`` (the
     frozen weights), since LoRA weights and optimizer state stay float32 under every precision."""
     name = _PRECISION_ALIASES.get(str(precision), str(precision))
+    _check(name != "16-mixed", "trainer.precision", "bf16-mixed rather than 16-mixed (float16 loss scaling does not "
+           "compose with the manual gradient clipping)", precision)
     _check(name in PRECISIONS, "trainer.precision", f"one of {sorted(PRECISIONS)}", precision)
     needed = PRECISIONS[name]
     dtype = dtype or "float32"

@@ -8,9 +8,11 @@ import textwrap
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 import yaml
+from lightning.pytorch.loggers import Logger
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -33,8 +35,9 @@ def small_config(root: Path, **extra) -> dict:
         "seed_everything": 0,
         "trainer": {"accelerator": "cpu", "max_steps": 2, "enable_progress_bar": False, "enable_model_summary": False,
                     "default_root_dir": str(root), "log_every_n_steps": 1, "num_sanity_val_steps": 0,
-                    "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                               "init_args": {"save_dir": str(root)}},
+                    "logger": [{"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                                "init_args": {"save_dir": str(root)}},
+                               {"class_path": "test_cli_safety.ImageListLogger"}],
                     "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                                    "init_args": {"dirpath": str(root / "ckpt"), "every_n_train_steps": 1,
                                                  "save_last": True}},
@@ -51,6 +54,26 @@ def small_config(root: Path, **extra) -> dict:
         section, _, field = key.partition(".")
         config[section][field] = value
     return config
+
+
+class ImageListLogger(Logger):
+    """A user's own logger with the W&B-style ``log_image(key, images, step)``: it must get every image."""
+
+    def __init__(self):
+        super().__init__()
+        self.images: dict[str, list] = {}
+
+    name = "images"
+    version = 0
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_image(self, key, images, step=None):
+        self.images.setdefault(key, []).extend(images)
 
 
 def write(path: Path, config: dict) -> Path:
@@ -82,6 +105,7 @@ def no_model(monkeypatch):
     (["--data.prompts", "['a cat', '  ']"], "data.prompts[1] must be a non-blank string"),
     (["--trainer.precision", "bf16-true"], "model.policy.dtype must be 'bfloat16' with trainer.precision bf16-true"),
     (["--trainer.precision", "transformer-engine"], "trainer.precision must be one of"),
+    (["--trainer.precision", "16-mixed"], "trainer.precision must be bf16-mixed rather than 16-mixed"),
 ])
 def test_bad_value_through_cli_is_named_before_any_model(args, message, no_model, capsys):
     with pytest.raises(SystemExit) as info:
@@ -138,6 +162,10 @@ def test_fit_validates_logs_every_component_and_images_to_tensorboard(cli_run):
         assert img.size == (side, 2 * side)  # grid_prompts 2, one sample each
     events = EventAccumulator(str(cli.trainer.log_dir), size_guidance={"images": 0}).Reload()
     assert {"val/samples", "routing"} <= set(events.Tags()["images"]), events.Tags()["images"]
+    own = cli.trainer.loggers[1].images  # and any other logger that takes images
+    assert {"val/samples", "routing"} <= set(own)
+    with Image.open(grids[-1]) as img:
+        assert np.array_equal(own["val/samples"][-1], np.asarray(img.convert("RGB")))
 
 
 def test_saved_config_reruns(cli_run, tmp_path):
