@@ -211,6 +211,9 @@ def test_validate_and_predict_with_the_trained_adapter(cli_run, tmp_path):
     trained = cli_main(["validate", *common, "--ckpt_path", ckpt]).trainer.callback_metrics["val/reward_mean"]
     base = cli_main(["validate", *common]).trainer.callback_metrics["val/reward_mean"]
     assert float(trained) != float(base)  # the checkpoint's adapter is what was evaluated
+    guided = cli_main(["validate", *common, "--ckpt_path", ckpt, "--model.evaluation.guidance_scale", "3.0"])
+    assert float(guided.trainer.callback_metrics["val/reward_mean"]) != float(trained)  # guidance reaches sampling
+    assert guided.model.policy.config.guidance_scale == 1.0  # and is the evaluation's only
     cli = cli_main(["predict", *common, "--ckpt_path", ckpt, "--model.evaluation.samples_per_prompt", "2"])
     files = sorted((tmp_path / "predictions").glob("*.png"))
     assert [f.name for f in files] == [f"p{i:05d}_s{s:02d}.png" for i in range(3) for s in range(2)]
