@@ -1,6 +1,7 @@
 """Lightning callbacks: they read what JAGGModule exposes and never reach into rollout internals."""
 
 from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
+from jagg_lightning.callbacks.digit_accuracy import DigitAccuracy
 from jagg_lightning.callbacks.exactness import ExactnessDiagnostics
 from jagg_lightning.callbacks.images import log_image
 from jagg_lightning.callbacks.lora_export import LoRAExport, export_lora, lora_state_dict
@@ -8,5 +9,5 @@ from jagg_lightning.callbacks.predictions import PredictionImages
 from jagg_lightning.callbacks.routing import RoutingStats
 from jagg_lightning.callbacks.samples import SampleImages
 
-__all__ = ["AtomicCheckpointIO", "ExactnessDiagnostics", "LoRAExport", "PredictionImages", "RoutingStats", "SampleImages",
-           "export_lora", "log_image", "lora_state_dict"]
+__all__ = ["AtomicCheckpointIO", "DigitAccuracy", "ExactnessDiagnostics", "LoRAExport", "PredictionImages", "RoutingStats",
+           "SampleImages", "export_lora", "log_image", "lora_state_dict"]

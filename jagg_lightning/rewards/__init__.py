@@ -1,6 +1,6 @@
 """Rewards: one file per scorer, all following :class:`Reward` (images in [0, 1], prompts -> scores [B]).
 
-The JPEG rewards need no weights and are registered by name; model-based rewards take local paths and
+The JPEG rewards need no weights and the digits reward ships its own; they are registered by name; model-based rewards take local paths and
 are configured by ``class_path`` (they import their heavy dependencies only when built).
 """
 
@@ -9,12 +9,13 @@ import sys
 from jagg_lightning.rewards.aesthetic import AestheticReward
 from jagg_lightning.rewards.base import Reward, check_images, to_pil
 from jagg_lightning.rewards.clipscore import CLIPScoreReward
+from jagg_lightning.rewards.digits import DigitReward
 from jagg_lightning.rewards.hpsv2 import HPSv2Reward
 from jagg_lightning.rewards.jpeg import JpegCompressibility, JpegIncompressibility
 from jagg_lightning.rewards.pickscore import PickScoreReward
 from jagg_lightning.rewards.weighted import WeightedReward
 
-REWARDS: dict[str, type[Reward]] = {cls.name: cls for cls in (JpegCompressibility, JpegIncompressibility)}
+REWARDS: dict[str, type[Reward]] = {cls.name: cls for cls in (JpegCompressibility, JpegIncompressibility, DigitReward)}
 
 
 def build_reward(reward: str | Reward | dict) -> Reward:
@@ -67,6 +68,6 @@ def _rebuild_arg(value):
     return value
 
 
-__all__ = ["REWARDS", "AestheticReward", "CLIPScoreReward", "HPSv2Reward", "JpegCompressibility",
+__all__ = ["REWARDS", "AestheticReward", "CLIPScoreReward", "DigitReward", "HPSv2Reward", "JpegCompressibility",
            "JpegIncompressibility", "PickScoreReward", "Reward", "WeightedReward", "build_reward", "check_images", "describe_reward",
            "to_pil"]
