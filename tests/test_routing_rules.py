@@ -59,6 +59,7 @@ def _disagreeing_trajectory(times, gen):
 def test_module_routes_by_the_configured_rule(rule, routed, rng_seed):
     module = JAGGModule(policy=tiny_policy_config(), sampling=SamplingConfig(num_steps=9, group_size=2),
                         jagg=JAGGConfig(window_size=4, jagg_frac=0.5, routing=rule))
+    module.configure_model()
     module.configure_model()  # the schedule is the policy's
     traj = _disagreeing_trajectory(module.times, torch.Generator().manual_seed(rng_seed))
     r = [interpolation_residual(traj.velocities, traj.times, w.steps) for w in module.windows]

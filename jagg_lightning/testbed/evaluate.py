@@ -66,7 +66,7 @@ def module_from_config(config_path, seed: int = 0, **jagg):
     import yaml
 
     from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
-    from jagg_lightning.policy import PolicyConfig
+    from jagg_lightning.policies import PolicyConfig
     from jagg_lightning.testbed import PIPELINE_DIR
 
     cfg = yaml.safe_load(Path(config_path).read_text())
@@ -83,4 +83,5 @@ def module_from_config(config_path, seed: int = 0, **jagg):
         reward=model["reward"],
         optimizer=lambda p: torch.optim.AdamW(p, lr=float(opt["lr"]), weight_decay=float(opt.get("weight_decay", 0))),
     )
+    module.configure_model()  # builds the policy now (the Trainer's own call is then a no-op)
     return module, cfg

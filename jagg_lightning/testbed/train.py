@@ -111,7 +111,7 @@ def build_components(seed: int, layers: int):
     from diffusers import AutoencoderKL, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-    from jagg_lightning.policy import tiny_clip_tokenizer
+    from jagg_lightning.policies.tiny import tiny_clip_tokenizer
 
     torch.manual_seed(seed)
     tokenizer = tiny_clip_tokenizer(TOKENIZER_LENGTH)
@@ -316,7 +316,7 @@ def main(argv=None) -> dict:
 
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-    from jagg_lightning.policy import tiny_clip_tokenizer
+    from jagg_lightning.policies.tiny import tiny_clip_tokenizer
 
     x_train, y_train, x_test, y_test, test_idx = load_split(args.seed)
     log(f"split: {len(y_train)} train / {len(y_test)} test images")
