@@ -26,10 +26,12 @@ import numpy as np
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 
 from jagg_lightning.adapters import adapter_identity, identity_mismatch
 from jagg_lightning.batching import batch_slice
@@ -322,6 +324,7 @@ class JAGGModule(L.LightningModule):
         self.last_rollout: RolloutBatch | None = None
         self._eval_sums: dict[str, Tensor] = {}  # component -> [sum, count] over this process's eval samples
         self._eval_grid: list[Tensor] = []
+        self.gradient_all_reduces = 0  # in the last training step: one per optimizer update under DDP
 
     def _trainable_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
@@ -502,7 +505,8 @@ class JAGGModule(L.LightningModule):
         step = self.global_step
         traj, cond, _, rewards, components = self.rollout_and_score(prompts, indices, step)
         K = self.sampling.group_size
-        advantages = group_advantages(rewards.view(-1, K), self.grpo.adv_std, adv_clip=self.grpo.adv_clip).flatten()
+        advantages = group_advantages(rewards.view(-1, K), self.grpo.adv_std, adv_clip=self.grpo.adv_clip,
+                                      all_reduce=self._all_reduce_sum).flatten()
         ref_v = self.reference_velocities(traj, cond)
         self.route(traj)
 
@@ -514,15 +518,18 @@ class JAGGModule(L.LightningModule):
         stats: list = []
         first_update_stats: list = []
         theta_is_old = True
+        self.gradient_all_reduces = 0
         for _ in range(self.grpo.inner_epochs):
             micro = torch.randperm(num, generator=shuffle).to(self.device).split(self.grpo.train_batch_size)
             per_update = self.grpo.micro_batches_per_update or len(micro)
             for start in range(0, len(micro), per_update):
                 group = micro[start : start + per_update]
                 update_size = sum(len(m) for m in group)
-                for index in group:
-                    records += self.micro_batch_backward(traj, cond, advantages, ref_v, index, update_size, theta_is_old,
-                                                         first_update_stats if theta_is_old else stats)
+                with self._local_backward():
+                    for index in group:
+                        records += self.micro_batch_backward(traj, cond, advantages, ref_v, index, update_size,
+                                                             theta_is_old, first_update_stats if theta_is_old else stats)
+                self._all_reduce_gradients()
                 if self.grpo.max_grad_norm is not None:
                     self.clip_gradients(optimizer, gradient_clip_val=self.grpo.max_grad_norm, gradient_clip_algorithm="norm")
                 optimizer.step()
@@ -564,6 +571,7 @@ class JAGGModule(L.LightningModule):
             "passes/nograd_forward": torch.tensor(float(sum(r.nograd_forwards for r in records))),
             "passes/exact_backward": torch.tensor(float(exact_passes)),
             "passes/routed_windows": torch.tensor(float(len(routed))),
+            "passes/grad_all_reduce": torch.tensor(float(self.gradient_all_reduces)),
         }
         self.log_dict({f"train/{k}": v.float() for k, v in values.items()}, batch_size=rewards.shape[0])
         self.log("reward", rewards.mean().float(), prog_bar=True, batch_size=rewards.shape[0], logger=False)
@@ -653,6 +661,37 @@ class JAGGModule(L.LightningModule):
         per = self.evaluation.samples_per_prompt
         return {"prompt": [p for p in prompts for _ in range(per)], "index": [i for i in indices for _ in range(per)],
                 "sample": [s for _ in prompts for s in range(per)], "images": self.generate(prompts, indices).cpu()}
+
+    # ------------------------------------------------------------------ data parallel
+    def _ddp_model(self) -> DistributedDataParallel | None:
+        model = self._trainer.strategy.model if self._trainer is not None else None
+        return model if isinstance(model, DistributedDataParallel) else None
+
+    def _local_backward(self):
+        """Context for an update's backward calls: DDP's reducer (which would all-reduce on every backward;
+        JAGG makes several per update) stays off, and ``_all_reduce_gradients`` makes the one all-reduce.
+        (Lightning's DDP forward redirection already keeps the forward from arming the reducer.)"""
+        return self.trainer.strategy.block_backward_sync() if self._ddp_model() is not None else nullcontext()
+
+    def _all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        """Sum over the data-parallel processes (one collective; identity on one process)."""
+        if self._trainer is None or self.trainer.world_size == 1 or not dist.is_initialized():
+            return tensor
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def _all_reduce_gradients(self) -> None:
+        """Under DDP: average the LoRA gradients over the processes with ONE all-reduce of their flat
+        concatenation (a parameter without a gradient contributes zeros, so every rank sends the same size)."""
+        if self._ddp_model() is None:
+            return
+        params = self.policy.lora_parameters()
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().to(dtype) for p in params])
+        self._all_reduce_sum(flat).div_(self.trainer.world_size)
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad = g.view_as(p).to(p.dtype)
+        self.gradient_all_reduces += 1
 
     # ------------------------------------------------------------------ diagnostics
     def check_window_gradients(self, max_samples: int | None = None) -> list[WindowGradientCheck]:

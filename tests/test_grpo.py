@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from jagg_lightning.grpo import StepRecord, group_advantages, step_loss
+from jagg_lightning.grpo import StepRecord, global_reward_std, group_advantages, step_loss
 from jagg_lightning.sde import flow_match_sigmas, sample_step, step_distribution
 
 
@@ -26,6 +26,33 @@ def test_advantage_clipping(rng_seed):
     adv = group_advantages(rewards, adv_clip=1.5)
     assert adv.abs().max() <= 1.5 + 1e-7
     assert (adv[:, 0] == 1.5).all()
+
+
+@pytest.mark.parametrize("ddof", [0, 1])
+def test_global_std_from_summed_moments_equals_std_of_all_rewards(ddof, rng_seed):
+    """Three 'processes' whose moments are summed, as one all-reduce would, give the std of the union."""
+    gen = torch.Generator().manual_seed(rng_seed)
+    rewards = 50.0 + 0.5 * torch.randn(6, 4, generator=gen, dtype=torch.float64)  # mean = 100 std: S2 - S1^2/n cancels
+    parts = rewards.split([2, 1, 3])
+
+    def moments(r):
+        return torch.stack([torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(), (r * r).sum()])
+
+    for i, part in enumerate(parts):
+        others = sum(moments(p) for j, p in enumerate(parts) if j != i)
+        calls = []
+
+        def all_reduce(t, others=others, calls=calls):
+            calls.append(t.shape)
+            return t + others
+
+        std = global_reward_std(part, ddof, all_reduce)
+        assert calls == [torch.Size([3])]  # one collective of three numbers
+        torch.testing.assert_close(std, rewards.std(correction=ddof), rtol=1e-10, atol=0)
+        adv = group_advantages(part, "global", adv_clip=100.0, ddof=ddof, all_reduce=all_reduce)
+        torch.testing.assert_close(adv, group_advantages(rewards, "global", adv_clip=100.0, ddof=ddof)[
+            sum(len(p) for p in parts[:i]) : sum(len(p) for p in parts[: i + 1])], rtol=1e-10, atol=0)
+    torch.testing.assert_close(global_reward_std(rewards, ddof), rewards.std(correction=ddof), rtol=1e-10, atol=0)
 
 
 def test_group_of_one_is_refused():
