@@ -1,0 +1,162 @@
+"""Time and peak memory of one GRPO update on an SD3.5-Medium-sized transformer: exact vs JAGG.
+
+A random-weight ``SD3Transformer2DModel`` with SD3.5 Medium's configuration (2.5 B parameters, 24
+joint blocks, 13 of them dual-attention), bf16 frozen weights, a float32 peft LoRA on Flow-GRPO's
+targets (r 32, alpha 64), random prompt embeddings of the real shapes (333 x 4096 tokens, pooled 2048).
+Nothing is downloaded. For each setting one SDE rollout is shared by every configuration; the update
+(all window gradients over ``--samples`` samples, first update after the rollout, the module's own
+engine and loss) then runs for exact GRPO (jagg_frac 0) and JAGG (every full window routed),
+interleaved and repeated; the median wall time, the process CPU time and the peak GPU memory of the
+update are printed, with the backward / forward passes the engine counted.
+
+    python benchmarks/gpu_update.py                   # on a GPU: the SD3.5-Medium-sized table
+    python benchmarks/gpu_update.py --tiny            # on a CPU: the same code on the tiny test model
+    python benchmarks/gpu_update.py --gradient-checkpointing --repeats 5
+
+Not a test: it measures, it does not assert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from jagg_lightning.grpo import StepRecord, step_loss
+from jagg_lightning.jagg import accumulate_gradients, interpolation_residual, plan_windows, route_windows
+from jagg_lightning.rollout import sample_generators, sample_trajectories
+from jagg_lightning.sde import flow_match_sigmas
+
+SD35_MEDIUM = dict(  # stabilityai/stable-diffusion-3.5-medium transformer/config.json
+    sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
+    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
+    pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+)
+TINY = dict(sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
+            num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=32,
+            pos_embed_max_size=16)
+LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                "attn.add_v_proj", "attn.to_add_out"]
+# (name, latent side, sampling steps, samples per update): 512 px and 1024 px, Flow-GRPO-like step counts
+SETTINGS = [("512px 10 steps", 64, 10), ("1024px 10 steps", 128, 10)]
+TINY_SETTINGS = [("32px 10 steps", 16, 10), ("32px 16 steps", 16, 16)]
+TOKENS = 333  # 77 CLIP + 256 T5 tokens, as the SD3 pipeline concatenates them
+
+
+def build_transformer(config: dict, dtype: torch.dtype, device: torch.device, rank: int, checkpointing: bool):
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        transformer = SD3Transformer2DModel(**config).to(dtype)
+    transformer.requires_grad_(False)
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian",
+                                       target_modules=LORA_TARGETS))
+    for name, p in transformer.named_parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+            if "lora_B" in name:  # nonzero B, so both factors get gradients
+                p.data.normal_(0, 0.01)
+    if checkpointing:
+        transformer.enable_gradient_checkpointing()
+    return transformer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tiny", action="store_true", help="the tiny test model on the CPU (checks the script)")
+    parser.add_argument("--samples", type=int, default=8, help="samples per update (one micro-batch)")
+    parser.add_argument("--window", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lora-rank", type=int, default=32)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--low-memory", action="store_true", help="JAGG anchors as two passes")
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if not cuda:
+        torch.set_num_threads(1)  # CPU: one thread, so wall and CPU time compare
+    config = SD35_MEDIUM if not args.tiny else TINY
+    transformer = build_transformer(config, dtype, device, args.lora_rank, args.gradient_checkpointing)
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    total = sum(p.numel() for p in transformer.parameters())
+    print(f"transformer {total / 1e6:.1f} M parameters ({sum(p.numel() for p in params) / 1e6:.2f} M LoRA), "
+          f"{dtype}, {device}{' ' + torch.cuda.get_device_name() if cuda else ''}, torch {torch.__version__}, "
+          f"gradient checkpointing {args.gradient_checkpointing}, low memory {args.low_memory}, "
+          f"{args.samples} samples per update, W = {args.window}, median of {args.repeats}")
+
+    gen = torch.Generator().manual_seed(0)
+    n = args.samples
+    cond = (torch.randn(n, TOKENS if not args.tiny else 4, config["joint_attention_dim"], generator=gen).to(device, dtype),
+            torch.randn(n, config["pooled_projection_dim"], generator=gen).to(device, dtype))
+
+    def velocity(z, t, c):
+        return transformer(hidden_states=z.to(dtype), timestep=t.float() * 1000, encoder_hidden_states=c[0],
+                           pooled_projections=c[1], return_dict=False)[0]
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    header = (f"{'setting':16s} {'configuration':10s} {'update s':>9s} {'cpu s':>7s} {'vs exact':>8s} "
+              f"{'peak GiB':>9s} {'backward':>8s} {'grad fwd':>8s} {'nograd fwd':>10s}")
+    print(header)
+    for name, side, steps in (SETTINGS if not args.tiny else TINY_SETTINGS):
+        times = flow_match_sigmas(steps, 3.0).to(device)
+        gens = sample_generators(0, 0, range(n // 2), 2)
+        with torch.no_grad():
+            traj = sample_trajectories(velocity, cond, gens, (config["in_channels"], side, side), times,
+                                       ["sde"] * steps, 0.7, n, device, torch.float32)
+        trained = list(range(steps - 1))
+        adv = torch.randn(n, generator=gen).to(device)
+        scores = [interpolation_residual(traj.velocities, traj.times, w.steps)
+                  for w in plan_windows(trained, args.window)]
+
+        def update(jagg_frac: float):
+            windows = route_windows(plan_windows(trained, args.window), scores, jagg_frac, args.window)
+
+            def loss_of_step(k, v):
+                rec = StepRecord(traj.latents[k], traj.latents[k + 1], float(traj.times[k]), float(traj.times[k + 1]),
+                                 traj.log_probs[k], adv)
+                return step_loss(v, rec)[0].mean() / len(trained)
+
+            for p in params:
+                p.grad = None
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            sync()
+            wall, cpu = time.perf_counter(), time.process_time()
+            records = accumulate_gradients(velocity, traj.latents, traj.times, cond, loss_of_step, windows,
+                                           traj.velocities, args.low_memory)
+            sync()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+            counts = [sum(getattr(r, k) for r in records) for k in ("backwards", "grad_forwards", "nograd_forwards")]
+            return wall, cpu, peak, counts
+
+        configurations = {"exact": 0.0, "jagg": 1.0}
+        for frac in configurations.values():  # warm-up (kernels, allocator)
+            update(frac)
+        results = {c: [] for c in configurations}
+        for _ in range(args.repeats):
+            for c, frac in configurations.items():  # interleaved: drift hits both alike
+                results[c].append(update(frac))
+        base = statistics.median(r[0] for r in results["exact"])
+        for c, rs in results.items():
+            wall = statistics.median(r[0] for r in rs)
+            cpu = statistics.median(r[1] for r in rs)
+            peak = max(r[2] for r in rs)
+            b, g, f = rs[-1][3]
+            peak = f"{peak:9.2f}" if cuda else f"{'-':>9s}"
+            print(f"{name:16s} {c:10s} {wall:9.3f} {cpu:7.2f} {wall / base:8.2f} {peak} {b:8d} {g:8d} {f:10d}")
+        del traj
+
+
+if __name__ == "__main__":
+    main()
