@@ -1,0 +1,93 @@
+"""FSDP2 for JAGGModule: Lightning's ``ModelParallelStrategy`` set up for pure data parallelism.
+
+``JAGGModule.configure_model`` applies ``fully_shard`` to every transformer block and then to the
+transformer (:func:`shard_transformer`): the frozen weights stay in the policy dtype, each LoRA weight
+is sharded with the block that holds it, the text encoders and the VAE stay whole on every rank.
+Gradients are reduce-scattered by FSDP2 at each backward (LoRA gradients only: the frozen weights
+have none), gradient clipping works on the sharded (DTensor) gradients, the KL reference switches the
+adapter off inside the same sharded transformer.
+
+:class:`FSDP2Strategy` is ``ModelParallelStrategy`` with three changes, all about defaults and
+checkpoints, none about the training math:
+
+- ``data_parallel_size`` defaults to every process and ``tensor_parallel_size`` to 1 (the parent's
+  "auto" would make every GPU of a node a tensor-parallel rank);
+- checkpoints are one file holding the LoRA weights only (gathered to rank 0 weight by weight), with
+  the optimizer state, written through the trainer's CheckpointIO (atomic with ``AtomicCheckpointIO``);
+  the parent would gather the whole frozen model to rank 0 or write a sharded folder of it;
+- on load the file's LoRA weights are handed to ``JAGGModule.on_load_checkpoint`` too, which refuses
+  a checkpoint that lacks some of them.
+
+Such a checkpoint is an ordinary Lightning checkpoint: it resumes under FSDP2 and on one process alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+
+def transformer_blocks(transformer: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a diffusers transformer: every entry of its ``*blocks`` ModuleLists
+    (``transformer_blocks`` for SD3 and Qwen-Image, plus ``single_transformer_blocks`` for FLUX)."""
+    blocks = [m for name, lst in transformer.named_children() if isinstance(lst, nn.ModuleList)
+              and name.endswith("blocks") for m in lst]
+    if not blocks:
+        raise ValueError(f"{type(transformer).__name__} has no '*blocks' ModuleList to shard")
+    return blocks
+
+
+def shard_transformer(transformer: nn.Module, mesh) -> None:
+    """``fully_shard`` each block, then the transformer (its embeddings and output layers) on ``mesh``."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in transformer_blocks(transformer):
+        fully_shard(block, mesh=mesh)
+    fully_shard(transformer, mesh=mesh)
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy for FSDP2 over every process, with LoRA-only checkpoints."""
+
+    def __init__(
+        self,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = 1,
+        save_distributed_checkpoint: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if save_distributed_checkpoint:
+            raise ValueError("FSDP2Strategy writes LoRA-only single-file checkpoints: save_distributed_checkpoint "
+                             "must be false")
+        super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint=False, **kwargs)
+
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":  # every process, before the parent builds the device mesh
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        if self._tensor_parallel_size != 1:
+            raise ValueError(f"FSDP2Strategy: tensor_parallel_size must be 1, got {self._tensor_parallel_size}")
+        super().setup_environment()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The trainable (LoRA) weights, full, on rank 0; every rank takes part in each gather."""
+        from torch.distributed.tensor import DTensor
+
+        state = {}
+        for name, p in self.lightning_module.named_parameters():
+            if not p.requires_grad:
+                continue
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            if self.global_rank == 0:
+                state[name] = full.detach().cpu().clone()
+        return state
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if "state_dict" not in checkpoint:  # the parent loaded the weights into the shards and dropped them
+            path = Path(self.broadcast(checkpoint_path))
+            checkpoint["state_dict"] = torch.load(path, mmap=True, map_location="cpu", weights_only=True)["state_dict"]
+        return checkpoint
