@@ -51,6 +51,7 @@ from jagg_lightning.jagg import (
 from jagg_lightning.policies import Policy, PolicyConfig, build_policy
 from jagg_lightning.rewards import Reward, build_reward, describe_reward
 from jagg_lightning.rewards.base import RewardError
+from jagg_lightning.strategies import shard_transformer
 from jagg_lightning.rollout import Trajectory, sample_generators, sample_seed, sample_trajectories
 
 
@@ -325,6 +326,7 @@ class JAGGModule(L.LightningModule):
         self._eval_sums: dict[str, Tensor] = {}  # component -> [sum, count] over this process's eval samples
         self._eval_grid: list[Tensor] = []
         self.gradient_all_reduces = 0  # in the last training step: one per optimizer update under DDP
+        self._sharded = False  # FSDP2 applied by configure_model
 
     def _trainable_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
@@ -337,10 +339,17 @@ class JAGGModule(L.LightningModule):
     def configure_model(self) -> None:
         """Build (or load) the policy -- here rather than in ``__init__`` so that a strategy can wrap or
         shard it as it is created. Idempotent: the Trainer calls it for every fit/validate/predict."""
-        if "policy" in self._modules:
-            return
-        self.policy: Policy = build_policy(self.policy_config)
-        if self.ema_decay is not None:
+        if "policy" not in self._modules:
+            self.policy: Policy = build_policy(self.policy_config)
+            if self.policy_config.gradient_checkpointing:
+                self.policy.enable_gradient_checkpointing()
+        mesh = self._device_mesh  # set by ModelParallelStrategy (FSDP2Strategy) before this hook
+        if mesh is not None and not self._sharded:
+            # FSDP2: one unit per transformer block; the parameters become DTensor shards, so an EMA made
+            # before this point would track the old tensors (nothing has trained yet: rebuild it)
+            shard_transformer(self.policy.transformer, mesh["data_parallel"])
+            self._sharded, self.ema = True, None
+        if self.ema_decay is not None and self.ema is None:
             self.ema = LoRAEMA(self._trainable_named_parameters(), self.ema_decay)
 
     def __getattr__(self, name: str):

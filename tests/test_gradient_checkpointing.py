@@ -25,7 +25,7 @@ def test_checkpointing_keeps_window_gradients(low_memory, rng_seed):
     plain, plain_recs = engine_gradient(policy, traj, cond, adv, windows, low_memory=low_memory)
     plain_calls = len(calls)
 
-    policy.transformer.enable_gradient_checkpointing()
+    policy.enable_gradient_checkpointing()
     calls.clear()
     checkpointed, recs = engine_gradient(policy, traj, cond, adv, windows, low_memory=low_memory)
     # the block really was recomputed in backward: one extra forward per grad pass

@@ -67,6 +67,8 @@ class PolicyConfig:
         embedded distilled guidance for FLUX.1-dev.
     resolution: image side in pixels; None = the transformer's native sample size.
     dtype: dtype of the frozen weights; LoRA weights and SDE math stay float32 (float64 if chosen).
+    gradient_checkpointing: recompute each transformer block's activations in backward (diffusers'
+        non-reentrant checkpointing): less activation memory, about one extra block forward per backward.
     """
 
     pretrained: str | None = None
@@ -81,6 +83,7 @@ class PolicyConfig:
     dtype: str = "float32"
     load_t5: bool = True
     seed: int = 0
+    gradient_checkpointing: bool = False
 
     def __post_init__(self):
         def integer(name, value, allowed, ok):
@@ -98,6 +101,8 @@ class PolicyConfig:
         if self.resolution is not None:  # the multiple of VAE factor x patch size is checked against the model
             integer("resolution", self.resolution, "an integer >= 1 (pixels) or null", lambda v: v >= 1)
         integer("seed", self.seed, "an integer", lambda v: True)
+        if not isinstance(self.gradient_checkpointing, bool):
+            raise ValueError(f"policy.gradient_checkpointing must be true or false, got {self.gradient_checkpointing!r}")
         if self.lora_targets is not None and (isinstance(self.lora_targets, str) or not self.lora_targets or not all(
                 isinstance(t, str) and t for t in self.lora_targets)):
             raise ValueError("policy.lora_targets must be a non-empty list of module names or null (the family's "

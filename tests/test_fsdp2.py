@@ -1,0 +1,102 @@
+"""FSDP2 (FSDP2Strategy = Lightning's ModelParallelStrategy, fully_shard per block) on 2 CPU processes (gloo):
+the update equals one process's on the same prompts, and a LoRA-only checkpoint written under FSDP2 resumes,
+under FSDP2 and on one process, to the weights of an uninterrupted run. float64, KL on, gradient clipping
+active, SGD with momentum (scale-sensitive, with optimizer state), gradient checkpointing on under FSDP2."""
+
+import textwrap
+
+import lightning as L
+import torch
+from safetensors.torch import load_file
+
+from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
+from jagg_lightning.data import PromptDataModule
+
+from distributed import run_ranks
+from helpers import rel_error
+from test_module import make_module
+
+PROMPTS = ["a red cat", "a blue dog", "a green tree", "a yellow sun"]
+OPTIONS = dict(dtype="float64", jagg_frac=0.5, kl_beta=0.5, max_grad_norm=1e-3, train_batch_size=2)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+RANK_SCRIPT = textwrap.dedent('''
+    import sys
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+    from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
+    from jagg_lightning.data import PromptDataModule
+    from jagg_lightning.strategies import FSDP2Strategy
+    from test_fsdp2 import OPTIONS, PROMPTS, sgd
+    from test_module import make_module
+
+    out, seed = sys.argv[1], int(sys.argv[2])
+
+    def build():
+        module = make_module(seed, optimizer=sgd, **OPTIONS)
+        module.policy.enable_gradient_checkpointing()
+        return module
+
+    def fit(module, callbacks=(), ckpt_path=None):
+        trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=2, strategy=FSDP2Strategy(process_group_backend="gloo"),
+                            plugins=[AtomicCheckpointIO()], logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=bool(callbacks), callbacks=list(callbacks),
+                            default_root_dir=out)
+        trainer.fit(module, PromptDataModule(prompts=PROMPTS, batch_size=1, shuffle=False), ckpt_path=ckpt_path)
+        assert isinstance(module.policy.lora_parameters()[0], DTensor)  # really sharded
+        weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().contiguous()
+                   for n, p in module.named_parameters() if p.requires_grad}
+        return trainer, weights
+
+    trainer, weights = fit(build(), [ModelCheckpoint(dirpath=f"{out}/ckpt", filename="{step}", every_n_train_steps=1,
+                                                     save_top_k=-1)])
+    if trainer.global_rank == 0:
+        save_file(weights, f"{out}/fsdp_final.safetensors")
+    trainer, weights = fit(build(), ckpt_path=f"{out}/ckpt/step=1.ckpt")
+    if trainer.global_rank == 0:
+        save_file(weights, f"{out}/fsdp_resumed.safetensors")
+''')
+
+
+def single_fit(seed, ckpt_path=None):
+    module = make_module(seed, optimizer=sgd, **OPTIONS)
+    initial = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+    L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, plugins=[AtomicCheckpointIO()]).fit(
+        module, PromptDataModule(prompts=PROMPTS, batch_size=2, shuffle=False), ckpt_path=ckpt_path)
+    return initial, {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def test_fsdp2_update_and_sharded_checkpoint_resume(tmp_path, rng_seed):
+    seed = rng_seed % 10_000
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    run_ranks(script, str(tmp_path), str(seed), timeout=300)
+    fsdp_final = load_file(tmp_path / "fsdp_final.safetensors")
+    fsdp_resumed = load_file(tmp_path / "fsdp_resumed.safetensors")
+
+    # the checkpoint is LoRA-only and loads with weights_only=True
+    checkpoint = torch.load(tmp_path / "ckpt" / "step=1.ckpt", weights_only=True)
+    assert sorted(checkpoint["state_dict"]) == sorted(fsdp_final)
+    assert checkpoint["optimizer_states"][0]["state"]  # the momentum buffers travel too
+
+    initial, single = single_fit(seed)
+    names = sorted(single)
+    update = [single[n] - initial[n] for n in names]
+    assert sum(float(u.abs().sum()) for u in update) > 0
+    errors = {
+        "fsdp2 vs one process": rel_error([fsdp_final[n] - initial[n] for n in names], update),
+        "fsdp2 resumed under fsdp2 vs uninterrupted": rel_error([fsdp_resumed[n] - initial[n] for n in names],
+                                                                [fsdp_final[n] - initial[n] for n in names]),
+    }
+    _, resumed_single = single_fit(seed, ckpt_path=tmp_path / "ckpt" / "step=1.ckpt")
+    errors["fsdp2 checkpoint resumed on one process vs uninterrupted"] = rel_error(
+        [resumed_single[n] - initial[n] for n in names], update)
+    print("relative update differences:", errors)
+    assert max(errors.values()) < 1e-10, errors
