@@ -99,4 +99,6 @@ def test_fsdp2_update_and_sharded_checkpoint_resume(tmp_path, rng_seed):
     errors["fsdp2 checkpoint resumed on one process vs uninterrupted"] = rel_error(
         [resumed_single[n] - initial[n] for n in names], update)
     print("relative update differences:", errors)
-    assert max(errors.values()) < 1e-10, errors
+    assert errors["fsdp2 resumed under fsdp2 vs uninterrupted"] < 1e-12, errors  # same layout: identical so far
+    # different batch layouts: float64 up to the float32 timestep embedding (see test_distributed.py)
+    assert max(errors.values()) < 1e-6, errors
