@@ -1,0 +1,320 @@
+"""Qwen-Image: a LoRA-adapted ``QwenImageTransformer2DModel`` with its frozen Qwen2.5-VL prompt encoder and VAE.
+
+What the family looks like (all of it stays inside this file):
+
+* **condition** (batch-first): ``(prompt_embeds [B, L, D], prompt_mask [B, L])`` and, with true CFG,
+  ``(..., negative_embeds [B, L, D], negative_mask [B, L])`` -- the last hidden state of Qwen2.5-VL over the
+  pipeline's chat template with its first ``prompt_template_encode_start_idx`` (34) tokens dropped, exactly
+  ``QwenImagePipeline.encode_prompt``; prompt and negative are zero-padded to one length L with the mask
+  marking the valid tokens (padding is masked out of the joint attention, so it changes nothing);
+* **latent**: the pipeline's packed layout ``[S, 4 C]`` -- 2x2 patches of the C = 16 channel VAE latent,
+  S = (H / 16) (W / 16) tokens -- the tensor ``QwenImagePipeline`` integrates and accepts as ``latents=``;
+* **velocity**: the transformer's output with ``img_shapes`` for the RoPE grid and, when
+  ``guidance_scale`` > 1, the pipeline's *true* CFG (two text conditions, one batched forward):
+  ``v = v_u + w (v_c - v_u)`` rescaled per token to the norm of ``v_c`` over the channel axis,
+  ``v <- v * ||v_c|| / ||v||``, computed in float32 (float64 when the latents are);
+* **times**: the pipeline's own ``FlowMatchEulerDiscreteScheduler`` -- ``sigmas = linspace(1, 1/N, N)``,
+  dynamic (exponential) shift with ``mu = calculate_shift(S)`` for the image's sequence length, stretched to
+  end at ``shift_terminal`` = 0.02, then 0;
+* **decode**: unpack, ``z * latents_std + latents_mean`` (per channel, from the VAE config), the 3-D VAE's
+  decode on a one-frame video, first frame, [-1, 1] -> [0, 1].
+
+``build_tiny_qwen_image_pipeline`` builds a real ``QwenImagePipeline`` offline from tiny random configs:
+the diffusers transformer and VAE, a 2-layer ``Qwen2_5_VLForConditionalGeneration`` and a byte-level
+``Qwen2Tokenizer`` whose merges make every word of the prompt template one token, so the template's
+system prefix is the same 34 tokens the pipeline drops from the real tokenizer's output.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+# LoRA on the joint attention of both streams and on both streams' MLPs: the target set of the Flow-GRPO
+# Qwen-Image recipes (verl's flowgrpo_trainer Qwen-Image example: r 64 / alpha 128 on these modules).
+QWEN_IMAGE_LORA_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "img_mlp.net.0.proj",
+    "img_mlp.net.2",
+    "txt_mlp.net.0.proj",
+    "txt_mlp.net.2",
+]
+
+# Qwen/Qwen-Image scheduler/scheduler_config.json: dynamic exponential shift between sequence lengths 256 and
+# 8192 (mu from 0.5 to 0.9), schedule stretched to end at 0.02.
+QWEN_IMAGE_SCHEDULER_CONFIG = dict(
+    base_image_seq_len=256,
+    base_shift=0.5,
+    invert_sigmas=False,
+    max_image_seq_len=8192,
+    max_shift=0.9,
+    num_train_timesteps=1000,
+    shift=1.0,
+    shift_terminal=0.02,
+    stochastic_sampling=False,
+    time_shift_type="exponential",
+    use_beta_sigmas=False,
+    use_dynamic_shifting=True,
+    use_exponential_sigmas=False,
+    use_karras_sigmas=False,
+)
+
+# Every word of QwenImagePipeline.prompt_template_encode ("Ġ" = a leading space in byte-level BPE).
+_TEMPLATE_WORDS = ["system", "Describe", "user", "assistant"] + [
+    "Ġ" + w for w in
+    "the image by detailing color shape size texture quantity text spatial relationships of objects and background".split()
+]
+_SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>"]
+
+
+def tiny_qwen_tokenizer():
+    """A byte-level ``Qwen2Tokenizer`` built offline: the 256 byte symbols, merges that spell each template word
+    as one token (so the template's system prefix is 34 tokens, as with Qwen's real vocabulary), and the chat
+    special tokens ``<|im_start|>`` / ``<|im_end|>``. Any other text falls back to (mostly) single bytes."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    merges = []
+    for word in _TEMPLATE_WORDS:  # left-to-right chains; no chain's first pair occurs inside another word
+        for i in range(1, len(word)):
+            if word[: i + 1] not in vocab:
+                vocab[word[: i + 1]] = len(vocab)
+                merges.append((word[:i], word[i]))
+    vocab["<|endoftext|>"] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=32768)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(_SPECIAL_TOKENS)})
+    return tokenizer
+
+
+def build_tiny_qwen_image_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A random ``QwenImagePipeline`` small enough to train on 2 CPU cores (32 px images -> 8 x 8 packed tokens)."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = tiny_qwen_tokenizer()
+    n = len(tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_config = dict(
+            vocab_size=n, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=2048,
+            # multimodal RoPE: sections (temporal, height, width) sum to head_dim / 2 = 4
+            rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1e6},
+            bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        vision_config = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16,
+                             fullatt_block_indexes=[0])
+        text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+            text_config=text_config, vision_config=vision_config,
+            # vision tokens outside the text vocabulary: prompts never contain them
+            vision_start_token_id=n, vision_end_token_id=n + 1, image_token_id=n + 2, video_token_id=n + 3,
+        )).eval()
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+            joint_attention_dim=16, axes_dims_rope=(2, 2, 4),
+        )
+        vae = AutoencoderKLQwenImage(
+            base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
+            latents_mean=[0.1, -0.2, 0.05, 0.3], latents_std=[1.5, 0.8, 1.2, 2.0],
+        )
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), vae=vae, text_encoder=text_encoder,
+        tokenizer=tokenizer, transformer=transformer,
+    )
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+def load_qwen_image_pipeline(pretrained: str, dtype: torch.dtype):
+    """diffusers' own loading path; never ``trust_remote_code``."""
+    from diffusers import QwenImagePipeline
+
+    return QwenImagePipeline.from_pretrained(pretrained, torch_dtype=dtype)
+
+
+def calculate_shift(image_seq_len: int, scheduler_config) -> float:
+    """``mu`` of the dynamic shift for a sequence length: the line through (base_len, base_shift) and
+    (max_len, max_shift) that ``QwenImagePipeline`` evaluates, with the scheduler config's values."""
+    get = scheduler_config.get
+    base_len, max_len = get("base_image_seq_len", 256), get("max_image_seq_len", 4096)
+    base_shift, max_shift = get("base_shift", 0.5), get("max_shift", 1.15)
+    slope = (max_shift - base_shift) / (max_len - base_len)
+    return image_seq_len * slope + base_shift - slope * base_len
+
+
+def _padded(embeds: Tensor, mask: Tensor | None, length: int) -> tuple[Tensor, Tensor]:
+    """Zero-pad ``[B, L, D]`` embeddings (and their mask; None = all valid) to ``length`` tokens."""
+    b, n, d = embeds.shape
+    if mask is None:
+        mask = torch.ones(b, n, dtype=torch.long, device=embeds.device)
+    if n < length:
+        embeds = torch.cat([embeds, embeds.new_zeros(b, length - n, d)], dim=1)
+        mask = torch.cat([mask, mask.new_zeros(b, length - n)], dim=1)
+    return embeds, mask
+
+
+class QwenImagePolicy(nn.Module):
+    """Frozen Qwen-Image parts plus a trainable peft LoRA on the transformer (see the module docstring)."""
+
+    family = "qwen_image"
+
+    def __init__(self, config=None, pipeline=None):
+        super().__init__()
+        from diffusers.training_utils import cast_training_params
+        from peft import LoraConfig
+
+        self.config = config
+        dtype = DTYPES[config.dtype]
+        if pipeline is None:
+            if config.pretrained is None:
+                pipeline = build_tiny_qwen_image_pipeline(config.seed, dtype)
+            else:
+                pipeline = load_qwen_image_pipeline(config.pretrained, dtype)
+        self.transformer = pipeline.transformer
+        self.vae = pipeline.vae
+        self.text_encoder = pipeline.text_encoder
+        self.vae_scale_factor = pipeline.vae_scale_factor
+        self.latent_channels = self.transformer.config.in_channels // 4
+        patch = self.vae_scale_factor * 2  # VAE downsampling times the 2x2 packing
+        # None: the tiny twin's 32 px, or the pipeline's default (1024 px for Qwen-Image)
+        native = 32 if config.pretrained is None else pipeline.default_sample_size * self.vae_scale_factor
+        self.resolution = config.resolution or native
+        if self.resolution % patch:
+            raise ValueError(f"policy.resolution must be a multiple of {patch}, got {self.resolution}")
+        self.scheduler_config = dict(pipeline.scheduler.config)
+        # the pipeline is kept (outside the module tree) for its prompt encoding and latent unpacking
+        object.__setattr__(self, "_pipeline", pipeline)
+        for module in (self.transformer, self.vae, self.text_encoder):
+            module.requires_grad_(False)
+            module.eval()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed + 1)
+            self.transformer.add_adapter(
+                LoraConfig(
+                    r=config.lora_rank, lora_alpha=config.lora_alpha, init_lora_weights="gaussian",
+                    target_modules=list(config.lora_targets),
+                )
+            )
+        cast_training_params(self.transformer, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+
+    # ------------------------------------------------------------------ the pipeline class
+    @property
+    def pipeline_class(self):
+        from diffusers import QwenImagePipeline
+
+        return QwenImagePipeline
+
+    # ------------------------------------------------------------------ shapes and schedule
+    @property
+    def grid(self) -> tuple[int, int]:
+        """(rows, cols) of the packed token grid."""
+        side = self.resolution // (self.vae_scale_factor * 2)
+        return side, side
+
+    @property
+    def latent_shape(self) -> tuple[int, int]:
+        rows, cols = self.grid
+        return (rows * cols, 4 * self.latent_channels)
+
+    def sampling_times(self, num_steps: int, shift: float | None = None) -> Tensor:
+        """t_0 = 1 > ... > t_N = 0, float32, length N + 1: ``QwenImagePipeline``'s own scheduler ``sigmas`` for
+        ``num_steps`` steps at this resolution (the same ``sigmas`` and ``mu`` the pipeline passes it).
+        ``shift`` replaces the dynamic shift by a static one (``use_dynamic_shifting`` off)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        config = dict(self.scheduler_config)
+        if shift is not None:
+            config.update(use_dynamic_shifting=False, shift=float(shift))
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+        mu = calculate_shift(self.latent_shape[0], config)
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+        return scheduler.sigmas.to(torch.float32).cpu()
+
+    # ------------------------------------------------------------------ LoRA
+    @property
+    def guided(self) -> bool:
+        return self.config.guidance_scale > 1.0
+
+    def lora_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    @contextmanager
+    def adapter_disabled(self):
+        """The KL reference: the same transformer with the LoRA switched off."""
+        self.transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            self.transformer.enable_adapters()
+
+    def enable_gradient_checkpointing(self) -> None:
+        self.transformer.enable_gradient_checkpointing()
+
+    # ------------------------------------------------------------------ condition, velocity, decode
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> tuple[Tensor, ...]:
+        """Through the pipeline's own ``encode_prompt`` (template, drop of the system prefix, truncation to
+        ``max_sequence_length``); prompt and negative zero-padded to one length with their masks."""
+        device = next(self.transformer.parameters()).device
+        length = self.config.max_sequence_length
+        pe, mask = self._pipeline.encode_prompt(prompt=list(prompts), device=device, max_sequence_length=length)
+        if not self.guided:
+            return _padded(pe, mask, pe.shape[1])
+        neg, neg_mask = self._pipeline.encode_prompt(
+            prompt=[self.config.negative_prompt] * len(prompts), device=device, max_sequence_length=length
+        )
+        longest = max(pe.shape[1], neg.shape[1])
+        return (*_padded(pe, mask, longest), *_padded(neg, neg_mask, longest))
+
+    def _forward(self, z: Tensor, t: Tensor, embeds: Tensor, mask: Tensor) -> Tensor:
+        dtype = self.transformer.dtype
+        return self.transformer(
+            hidden_states=z.to(dtype), timestep=t, encoder_hidden_states=embeds.to(dtype),
+            # all-valid masks go in as None, as the pipeline passes them (the unmasked attention kernel)
+            encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+            img_shapes=[[(1, *self.grid)]] * z.shape[0], return_dict=False,
+        )[0]
+
+    def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...]) -> Tensor:
+        """v(z, t) on packed latents ``[n, S, 4C]``, ``t`` [n] in [0, 1] (the pipeline's ``timestep / 1000``);
+        with guidance the pipeline's true CFG and its per-token norm rescale, in float32 (float64)."""
+        out_dtype = torch.promote_types(z.dtype, torch.float32)
+        if not self.guided:
+            pe, mask = cond
+            return self._forward(z, t, pe, mask).to(out_dtype)
+        pe, mask, neg, neg_mask = cond
+        out = self._forward(torch.cat([z, z]), torch.cat([t, t]), torch.cat([pe, neg]), torch.cat([mask, neg_mask]))
+        v_c, v_u = out.to(out_dtype).chunk(2)
+        v = v_u + self.config.guidance_scale * (v_c - v_u)
+        return v * (torch.linalg.vector_norm(v_c, dim=-1, keepdim=True) / torch.linalg.vector_norm(v, dim=-1, keepdim=True))
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """Packed latents -> images [B, 3, H, W] in [0, 1], float32."""
+        cfg = self.vae.config
+        z = self._pipeline._unpack_latents(latents, self.resolution, self.resolution, self.vae_scale_factor)
+        z = z.to(self.vae.dtype)
+        mean = torch.tensor(cfg.latents_mean, dtype=z.dtype, device=z.device).view(1, cfg.z_dim, 1, 1, 1)
+        std = torch.tensor(cfg.latents_std, dtype=z.dtype, device=z.device).view(1, cfg.z_dim, 1, 1, 1)
+        images = self.vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
