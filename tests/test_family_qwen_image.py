@@ -1,5 +1,11 @@
 """The Qwen-Image family on its tiny offline twin: a real QwenImagePipeline, the policy against it, JAGG exactness."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
 import pytest
 import torch
 
@@ -11,18 +17,22 @@ from jagg_lightning.policies.qwen_image import (
     build_tiny_qwen_image_pipeline,
     tiny_qwen_tokenizer,
 )
-from jagg_lightning.policy import PolicyConfig
+from jagg_lightning.callbacks import LoRAExport
+from jagg_lightning.data import PromptDataModule
+from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.policies import FAMILIES, PolicyConfig, build_policy, detect_family
 from jagg_lightning.rollout import sample_generators, sample_trajectories
 
 from helpers import exact_per_step_gradient, lora_grads, randomize_lora_b, rel_error
 
+ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["a red cat", "a small dog on green grass"]
 STEPS = 5
 TRAINED = list(range(STEPS - 1))
 
 
 def qwen_config(**overrides) -> PolicyConfig:
-    kw = dict(lora_rank=4, lora_alpha=8, lora_targets=QWEN_IMAGE_LORA_TARGETS + ["proj_out"], guidance_scale=4.0,
+    kw = dict(family="qwen_image", lora_rank=4, lora_alpha=8, lora_targets=QWEN_IMAGE_LORA_TARGETS + ["proj_out"], guidance_scale=4.0,
               negative_prompt=" ", max_sequence_length=16, resolution=32)
     kw.update(overrides)
     return PolicyConfig(**kw)
@@ -63,7 +73,7 @@ def run_pipeline(pipe, latents, guidance, steps, resolution=32, output_type="lat
 
 
 def policy_ode(policy, z, steps):
-    times = policy.sampling_times(steps)
+    times = policy.schedule(steps)
     cond = policy.encode_prompts(list(PROMPTS))
     with torch.no_grad():
         for k in range(steps):
@@ -125,7 +135,7 @@ def test_sampling_times_are_the_pipelines_scheduler_timesteps(resolution, steps)
     seen = []
     z0 = torch.randn(len(PROMPTS), *policy.latent_shape)
     run_pipeline(policy._pipeline, z0, 1.0, steps, resolution=resolution, record=seen)
-    times = policy.sampling_times(steps)
+    times = policy.schedule(steps)
     assert times.dtype == torch.float32 and times.shape == (steps + 1,)
     assert torch.equal(times[:-1] * 1000, torch.stack(seen))  # the transformer gets timestep / 1000 = t
     assert torch.equal(times, policy._pipeline.scheduler.sigmas)
@@ -141,7 +151,7 @@ def test_bad_resolution_names_the_field():
 def rollout64(policy, seed, group=2):
     cond = tuple(c.repeat_interleave(group, 0) for c in policy.encode_prompts(PROMPTS))
     gens = sample_generators(seed, 0, range(len(PROMPTS)), group)
-    traj = sample_trajectories(policy.velocity, cond, gens, policy.latent_shape, policy.sampling_times(STEPS).double(),
+    traj = sample_trajectories(policy.velocity, cond, gens, policy.latent_shape, policy.schedule(STEPS).double(),
                                ["sde"] * STEPS, 1.2, 8, dtype=torch.float64)
     return traj, cond
 
@@ -171,3 +181,88 @@ def test_exact_cases_reproduce_per_step_gradient(policy64, case, rng_seed):
     policy64.transformer.zero_grad(set_to_none=True)
     accumulate_gradients(policy64.velocity, traj.latents, traj.times, cond, loss_fn, windows)
     assert rel_error(lora_grads(policy64), exact) < 1e-10
+
+
+# ------------------------------------------------------------------------------ the module and the exports
+def qwen_module(seed, **policy) -> JAGGModule:
+    module = JAGGModule(
+        qwen_config(seed=seed, **policy),
+        SamplingConfig(num_steps=STEPS, group_size=2, noise_level=1.2, seed=seed, rollout_batch_size=4),
+        GRPOConfig(train_batch_size=4),
+        JAGGConfig(window_size=2, jagg_frac=0.5),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+    )
+    module.configure_model()
+    randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
+    return module
+
+
+def fit(module, root=None, callbacks=()):
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                        callbacks=list(callbacks))
+    trainer.fit(module, PromptDataModule(prompts=list(PROMPTS), batch_size=2, shuffle=False))
+    return trainer
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.0])
+def test_first_update_ratio_is_one(guidance, rng_seed):
+    module = qwen_module(rng_seed % 10_000, guidance_scale=guidance)
+    assert isinstance(module.policy, FAMILIES["qwen_image"].policy_class()) and module.policy.guided == (guidance > 1)
+    # the module samples on the pipeline's own schedule, not SD3's
+    assert torch.equal(module.times, module.policy.schedule(STEPS))
+    fit(module)
+    # 1 up to the float32 rounding of the log-probabilities (a JAGG anchor pass batches differently from the
+    # rollout, which may move the last bit of a velocity): measured 0 without CFG, at most 2 ulp with it
+    assert module.first_update_ratio_deviation < 1e-6
+    assert any(r.routed for r in module.window_records) and any(r.backwards > 0 for r in module.window_records)
+
+
+def test_detection_picks_qwen_image_for_the_saved_twin(twin_dir):
+    config = PolicyConfig(pretrained=str(twin_dir), lora_rank=2, lora_alpha=2, resolution=32)
+    assert detect_family(config).name == "qwen_image"
+    policy = build_policy(config)
+    assert type(policy).__name__ == "QwenImagePolicy" and policy.family == "qwen_image"
+    assert policy.transformer.peft_config["default"].target_modules == set(QWEN_IMAGE_LORA_TARGETS)
+    pipeline_class = policy.pipeline_class if isinstance(policy.pipeline_class, type) else policy.pipeline_class()
+    assert pipeline_class.__name__ == "QwenImagePipeline"
+
+
+def test_exported_adapter_reproduces_the_trained_policy_in_the_pipeline(twin_dir, tmp_path, rng_seed):
+    """Train one step from the saved twin, export, then ``QwenImagePipeline.load_lora_weights`` on a fresh
+    pipeline samples what the trained policy samples (its velocity at every step, true CFG included)."""
+    from diffusers import QwenImagePipeline
+
+    module = qwen_module(rng_seed % 10_000, pretrained=str(twin_dir))
+    before = [p.detach().clone() for p in module.policy.lora_parameters()]
+    fit(module, tmp_path, [LoRAExport(str(tmp_path / "lora"))])
+    assert any(not torch.equal(b, p) for b, p in zip(before, module.policy.lora_parameters()))
+    pipe = QwenImagePipeline.from_pretrained(twin_dir)
+    z0 = torch.randn(len(PROMPTS), *module.policy.latent_shape, generator=torch.Generator().manual_seed(rng_seed))
+    base = run_pipeline(pipe, z0, 4.0, 3)
+    pipe.load_lora_weights(str(tmp_path / "lora" / "final" / "diffusers"))
+    trained = policy_ode(module.policy, z0, 3)
+    torch.testing.assert_close(run_pipeline(pipe, z0, 4.0, 3), trained, rtol=1e-5, atol=1e-5)
+    assert (base - trained).abs().max() > 1e-3  # the adapter matters: without it the pipeline samples otherwise
+
+
+def test_jagg_fit_with_the_tiny_qwen_config_writes_an_adapter_the_pipeline_loads(twin_dir, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jagg_lightning", "fit", "--config", str(ROOT / "configs/qwen_image_tiny.yaml"),
+           "--trainer.max_steps", "2", "--trainer.default_root_dir", str(out), "--trainer.logger", "false",
+           "--lora_export.dirpath", str(out / "lora"), "--data.prompts_file", str(ROOT / "configs/prompts/tiny.txt"),
+           "--data.batch_size", "1", "--model.sampling.num_steps", "6", "--model.jagg.window_size", "3",
+           # the saved twin, its family detected from model_index.json
+           "--model.policy.family", "null", "--model.policy.pretrained", str(twin_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"HF_HUB_OFFLINE": "1"}, cwd=tmp_path,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(twin_dir)
+    z0 = torch.randn(len(PROMPTS), 64, 16, generator=torch.Generator().manual_seed(0))
+    base = run_pipeline(pipe, z0, 4.0, 2)
+    pipe.load_lora_weights(str(out / "lora" / "final" / "diffusers"))
+    lora_modules = {n.rsplit(".lora_A", 1)[0] for n, _ in pipe.transformer.named_parameters() if ".lora_A" in n}
+    assert len(lora_modules) == 2 * 12 + 1  # 12 targets in each of the 2 blocks, plus proj_out
+    assert (run_pipeline(pipe, z0, 4.0, 2) - base).abs().max() > 0

@@ -27,13 +27,11 @@ system prefix is the same 34 tokens the pipeline drops from the real tokenizer's
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+from jagg_lightning.policies.base import Policy
 
 # LoRA on the joint attention of both streams and on both streams' MLPs: the target set of the Flow-GRPO
 # Qwen-Image recipes (verl's flowgrpo_trainer Qwen-Image example: r 64 / alpha 128 on these modules).
@@ -143,13 +141,6 @@ def build_tiny_qwen_image_pipeline(seed: int = 0, dtype: torch.dtype = torch.flo
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
 
-def load_qwen_image_pipeline(pretrained: str, dtype: torch.dtype):
-    """diffusers' own loading path; never ``trust_remote_code``."""
-    from diffusers import QwenImagePipeline
-
-    return QwenImagePipeline.from_pretrained(pretrained, torch_dtype=dtype)
-
-
 def calculate_shift(image_seq_len: int, scheduler_config) -> float:
     """``mu`` of the dynamic shift for a sequence length: the line through (base_len, base_shift) and
     (max_len, max_shift) that ``QwenImagePipeline`` evaluates, with the scheduler config's values."""
@@ -171,56 +162,32 @@ def _padded(embeds: Tensor, mask: Tensor | None, length: int) -> tuple[Tensor, T
     return embeds, mask
 
 
-class QwenImagePolicy(nn.Module):
-    """Frozen Qwen-Image parts plus a trainable peft LoRA on the transformer (see the module docstring)."""
+class QwenImagePolicy(Policy):
+    """Frozen Qwen-Image parts plus a trainable peft LoRA on the transformer (see the module docstring).
+
+    ``policy.guidance_scale`` is the pipeline's ``true_cfg_scale`` (1.0 = off: one forward, no negative).
+    """
 
     family = "qwen_image"
+    pipeline_class_name = "QwenImagePipeline"
+    default_lora_targets = QWEN_IMAGE_LORA_TARGETS
 
-    def __init__(self, config=None, pipeline=None):
-        super().__init__()
-        from diffusers.training_utils import cast_training_params
-        from peft import LoraConfig
+    @classmethod
+    def build_tiny_pipeline(cls, seed: int = 0, dtype: torch.dtype = torch.float32):
+        return build_tiny_qwen_image_pipeline(seed, dtype)
 
-        self.config = config
-        dtype = DTYPES[config.dtype]
-        if pipeline is None:
-            if config.pretrained is None:
-                pipeline = build_tiny_qwen_image_pipeline(config.seed, dtype)
-            else:
-                pipeline = load_qwen_image_pipeline(config.pretrained, dtype)
+    def setup(self, pipeline) -> None:
         self.transformer = pipeline.transformer
         self.vae = pipeline.vae
-        self.text_encoder = pipeline.text_encoder
+        self.text_encoders = nn.ModuleList([pipeline.text_encoder])
         self.vae_scale_factor = pipeline.vae_scale_factor
         self.latent_channels = self.transformer.config.in_channels // 4
         patch = self.vae_scale_factor * 2  # VAE downsampling times the 2x2 packing
         # None: the tiny twin's 32 px, or the pipeline's default (1024 px for Qwen-Image)
-        native = 32 if config.pretrained is None else pipeline.default_sample_size * self.vae_scale_factor
-        self.resolution = config.resolution or native
+        native = 32 if self.config.pretrained is None else pipeline.default_sample_size * self.vae_scale_factor
+        self.resolution = self.config.resolution or native
         if self.resolution % patch:
             raise ValueError(f"policy.resolution must be a multiple of {patch}, got {self.resolution}")
-        self.scheduler_config = dict(pipeline.scheduler.config)
-        # the pipeline is kept (outside the module tree) for its prompt encoding and latent unpacking
-        object.__setattr__(self, "_pipeline", pipeline)
-        for module in (self.transformer, self.vae, self.text_encoder):
-            module.requires_grad_(False)
-            module.eval()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed + 1)
-            self.transformer.add_adapter(
-                LoraConfig(
-                    r=config.lora_rank, lora_alpha=config.lora_alpha, init_lora_weights="gaussian",
-                    target_modules=list(config.lora_targets),
-                )
-            )
-        cast_training_params(self.transformer, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-
-    # ------------------------------------------------------------------ the pipeline class
-    @property
-    def pipeline_class(self):
-        from diffusers import QwenImagePipeline
-
-        return QwenImagePipeline
 
     # ------------------------------------------------------------------ shapes and schedule
     @property
@@ -234,54 +201,26 @@ class QwenImagePolicy(nn.Module):
         rows, cols = self.grid
         return (rows * cols, 4 * self.latent_channels)
 
-    def sampling_times(self, num_steps: int, shift: float | None = None) -> Tensor:
-        """t_0 = 1 > ... > t_N = 0, float32, length N + 1: ``QwenImagePipeline``'s own scheduler ``sigmas`` for
-        ``num_steps`` steps at this resolution (the same ``sigmas`` and ``mu`` the pipeline passes it).
-        ``shift`` replaces the dynamic shift by a static one (``use_dynamic_shifting`` off)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
+    def scheduler_kwargs(self, num_steps: int) -> dict:
+        """As ``QwenImagePipeline``: ``sigmas = linspace(1, 1/N, N)`` and ``mu`` for the packed sequence length."""
+        return {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps),
+                "mu": calculate_shift(self.latent_shape[0], self.scheduler.config)}
 
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        config = dict(self.scheduler_config)
-        if shift is not None:
-            config.update(use_dynamic_shifting=False, shift=float(shift))
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
-        mu = calculate_shift(self.latent_shape[0], config)
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
-        return scheduler.sigmas.to(torch.float32).cpu()
-
-    # ------------------------------------------------------------------ LoRA
     @property
     def guided(self) -> bool:
         return self.config.guidance_scale > 1.0
-
-    def lora_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.transformer.parameters() if p.requires_grad]
-
-    @contextmanager
-    def adapter_disabled(self):
-        """The KL reference: the same transformer with the LoRA switched off."""
-        self.transformer.disable_adapters()
-        try:
-            yield
-        finally:
-            self.transformer.enable_adapters()
-
-    def enable_gradient_checkpointing(self) -> None:
-        self.transformer.enable_gradient_checkpointing()
 
     # ------------------------------------------------------------------ condition, velocity, decode
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> tuple[Tensor, ...]:
         """Through the pipeline's own ``encode_prompt`` (template, drop of the system prefix, truncation to
         ``max_sequence_length``); prompt and negative zero-padded to one length with their masks."""
-        device = next(self.transformer.parameters()).device
         length = self.config.max_sequence_length
-        pe, mask = self._pipeline.encode_prompt(prompt=list(prompts), device=device, max_sequence_length=length)
+        pe, mask = self._pipeline.encode_prompt(prompt=list(prompts), device=self.device, max_sequence_length=length)
         if not self.guided:
             return _padded(pe, mask, pe.shape[1])
         neg, neg_mask = self._pipeline.encode_prompt(
-            prompt=[self.config.negative_prompt] * len(prompts), device=device, max_sequence_length=length
+            prompt=[self.config.negative_prompt] * len(prompts), device=self.device, max_sequence_length=length
         )
         longest = max(pe.shape[1], neg.shape[1])
         return (*_padded(pe, mask, longest), *_padded(neg, neg_mask, longest))
@@ -296,17 +235,18 @@ class QwenImagePolicy(nn.Module):
         )[0]
 
     def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...]) -> Tensor:
-        """v(z, t) on packed latents ``[n, S, 4C]``, ``t`` [n] in [0, 1] (the pipeline's ``timestep / 1000``);
-        with guidance the pipeline's true CFG and its per-token norm rescale, in float32 (float64)."""
-        out_dtype = torch.promote_types(z.dtype, torch.float32)
+        """v(z, t) on packed latents ``[n, S, 4C]``, ``t`` [n] in [0, 1] (the pipeline's ``timestep / 1000``).
+        With guidance: the pipeline's true CFG with its per-token norm rescale, one batched forward for both
+        branches, the combination in float32 (float64 when ``z`` is)."""
         if not self.guided:
             pe, mask = cond
-            return self._forward(z, t, pe, mask).to(out_dtype)
+            return self._forward(z, t, pe, mask)
         pe, mask, neg, neg_mask = cond
         out = self._forward(torch.cat([z, z]), torch.cat([t, t]), torch.cat([pe, neg]), torch.cat([mask, neg_mask]))
-        v_c, v_u = out.to(out_dtype).chunk(2)
+        v_c, v_u = out.to(torch.promote_types(z.dtype, torch.float32)).chunk(2)
         v = v_u + self.config.guidance_scale * (v_c - v_u)
-        return v * (torch.linalg.vector_norm(v_c, dim=-1, keepdim=True) / torch.linalg.vector_norm(v, dim=-1, keepdim=True))
+        norm = torch.linalg.vector_norm
+        return v * (norm(v_c, dim=-1, keepdim=True) / norm(v, dim=-1, keepdim=True))
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
