@@ -142,6 +142,21 @@ def test_sampling_times_are_the_pipelines_scheduler_timesteps(resolution, steps)
     assert times[0] == 1 and times[-1] == 0 and abs(float(times[-2]) - 0.02) < 1e-6  # shift_terminal
 
 
+def test_sde_math_stays_float32_with_bfloat16_weights(rng_seed):
+    """bf16 frozen weights: the guided velocity comes back float32 and the rollout (SDE, log-probs) runs in
+    float32, close to the float32 twin's; the LoRA weights stay float32."""
+    p32 = qwen_policy(torch.Generator().manual_seed(rng_seed))
+    p16 = qwen_policy(torch.Generator().manual_seed(rng_seed), dtype="bfloat16")
+    assert p16.transformer.dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in p16.lora_parameters())
+    gens = lambda: sample_generators(rng_seed, 0, range(len(PROMPTS)), 1)  # noqa: E731
+    trajs = [sample_trajectories(p.velocity, p.encode_prompts(PROMPTS), gens(), p.latent_shape, p.schedule(4),
+                                 ["sde"] * 4, 1.2, 2) for p in (p32, p16)]
+    assert trajs[1].latents.dtype == trajs[1].log_probs.dtype == trajs[1].velocities.dtype == torch.float32
+    assert torch.isfinite(trajs[1].log_probs).all()
+    v32, v16 = trajs[0].velocities, trajs[1].velocities
+    assert float((v16 - v32).norm() / v32.norm()) < 0.05
+
+
 def test_bad_resolution_names_the_field():
     with pytest.raises(ValueError, match="policy.resolution must be a multiple of 4"):
         QwenImagePolicy(qwen_config(resolution=30))
