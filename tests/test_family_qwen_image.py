@@ -195,6 +195,8 @@ def test_detection_picks_qwen_image_for_the_saved_twin(twin_dir):
     policy = build_policy(config)
     assert type(policy).__name__ == "QwenImagePolicy" and policy.family == "qwen_image"
     assert policy.transformer.peft_config["default"].target_modules == set(QWEN_IMAGE_LORA_TARGETS)
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in policy.transformer.named_parameters() if ".lora_A" in n}
+    assert len(adapted) == len(QWEN_IMAGE_LORA_TARGETS) * policy.transformer.config.num_layers  # each target, each block
     assert policy.pipeline_class.__name__ == "QwenImagePipeline"
 
 
