@@ -1,0 +1,180 @@
+"""Every model family on its tiny offline twin: detection, round trip, schedule, exact first update,
+GRPO/JAGG gradients against hand-written references, and `jagg fit` writing an adapter the family's
+own pipeline loads. The twins are saved once per session and loaded through ``from_pretrained``."""
+
+import copy
+from contextlib import contextmanager
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+from safetensors.torch import load_file
+
+from jagg_lightning.cli import cli_main
+from jagg_lightning.data import PromptDataModule
+from jagg_lightning.grpo import group_advantages
+from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.policies import build_policy, detect_family
+
+from families import CASES
+from helpers import exact_per_step_gradient, randomize_lora_b, rel_error
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["a red cat", "a blue dog"]
+by_case = pytest.mark.parametrize("case", CASES, ids=str)
+
+
+@pytest.fixture(scope="session")
+def twin_dirs(tmp_path_factory):
+    """Each family's tiny twin (seed 0, float32), saved once with ``save_pretrained``."""
+    root = tmp_path_factory.mktemp("twins")
+    dirs = {}
+    for case in CASES:
+        dirs[case.name] = root / case.name
+        case.build(0, torch.float32).save_pretrained(dirs[case.name])
+    return dirs
+
+
+def module_for(case, path, seed, guidance=None, dtype="float32", jagg_frac=0.5, window_size=2, optimizer=None,
+               **grpo):
+    policy = case.config(pretrained=str(path), seed=seed, dtype=dtype,
+                         guidance_scale=case.guidance[0] if guidance is None else guidance)
+    module = JAGGModule(
+        policy, SamplingConfig(num_steps=4, group_size=2, seed=seed, rollout_batch_size=4),
+        GRPOConfig(**({"train_batch_size": 4} | grpo)), JAGGConfig(window_size=window_size, jagg_frac=jagg_frac),
+        optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-3)),
+    )
+    module.configure_model()
+    randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
+    return module
+
+
+def fit(module, steps=1):
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, PromptDataModule(prompts=PROMPTS, batch_size=2, shuffle=False))
+    return trainer
+
+
+@by_case
+def test_detection_picks_the_family_class(case, twin_dirs):
+    config = case.config(pretrained=str(twin_dirs[case.name]))
+    assert detect_family(config).name == case.family
+    policy = build_policy(config)
+    assert type(policy).__name__ == case.policy_class and policy.family == case.family
+    assert policy.pipeline_class.__name__ == type(case.build(0, torch.float32)).__name__
+
+
+@by_case
+def test_twin_roundtrips_through_from_pretrained(case, twin_dirs, rng_seed):
+    seed = rng_seed % 10_000
+    config = case.config(seed=seed, guidance_scale=case.guidance[1], family=case.family)
+    built = build_policy(config, pipeline=case.build(0, torch.float32))
+    loaded = build_policy(case.config(seed=seed, guidance_scale=case.guidance[1], pretrained=str(twin_dirs[case.name])))
+    for policy in (built, loaded):
+        randomize_lora_b(policy.transformer, torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    z, t = torch.randn(2, *built.latent_shape, generator=gen), torch.rand(2, generator=gen)
+    with torch.no_grad():
+        v_built = built.velocity(z, t, built.encode_prompts(PROMPTS))
+        v_loaded = loaded.velocity(z, t, loaded.encode_prompts(PROMPTS))
+    assert v_built.shape == z.shape and v_built.abs().sum() > 0
+    assert torch.equal(v_built, v_loaded)
+    assert built.resolution == loaded.resolution and torch.equal(built.schedule(6), loaded.schedule(6))
+
+
+@by_case
+@pytest.mark.parametrize("num_steps", [4, 10])
+def test_schedule_equals_the_family_pipeline(case, twin_dirs, num_steps):
+    """The times the engine samples at are the sigmas the family pipeline's own __call__ sets."""
+    policy = build_policy(case.config(pretrained=str(twin_dirs[case.name])))
+    pipe = case.build(0, torch.float32)
+    pipe(PROMPTS[:1], num_inference_steps=num_steps, height=policy.resolution, width=policy.resolution,
+         output_type="latent", max_sequence_length=4, **case.call_kwargs)
+    times = policy.schedule(num_steps)
+    assert times.dtype == torch.float32 and times.shape == (num_steps + 1,) and times[0] == 1 and times[-1] == 0
+    assert torch.equal(times, pipe.scheduler.sigmas.float())
+
+
+@by_case
+@pytest.mark.parametrize("guided", [False, True], ids=["guidance_off", "guidance_on"])
+def test_first_update_ratio_is_one(case, twin_dirs, guided, rng_seed):
+    module = module_for(case, twin_dirs[case.name], rng_seed % 10_000, guidance=case.guidance[int(guided)])
+    assert module.policy.guided == (guided and case.family == "sd3")  # FLUX: embedded guidance, one forward
+    fit(module)
+    assert module.first_update_ratio_deviation < 1e-6
+    assert any(r.backwards > 0 for r in module.window_records)
+
+
+@by_case
+@pytest.mark.parametrize("jagg_frac,window_size", [(0.0, 3), (1.0, 2)], ids=["exact_grpo", "jagg_w2"])
+def test_update_equals_handwritten_per_step_grpo(case, twin_dirs, jagg_frac, window_size, rng_seed):
+    """float64: jagg_frac 0, and JAGG on W = 2 windows (no interior step), give the per-step GRPO step."""
+    seed, lr = rng_seed % 10_000, 0.5
+    module = module_for(case, twin_dirs[case.name], seed, guidance=case.guidance[1], dtype="float64",
+                        jagg_frac=jagg_frac, window_size=window_size, optimizer=lambda p: torch.optim.SGD(p, lr=lr),
+                        max_grad_norm=None)
+    reference = copy.deepcopy(module)
+    before = [p.detach().clone() for p in module.policy.lora_parameters()]
+    fit(module)
+    full = [w for w in module.windows if len(w.steps) == window_size]
+    assert full and all(w.routed == bool(jagg_frac) for w in full)
+    update = [p.detach() - b for p, b in zip(module.policy.lora_parameters(), before)]
+
+    traj, cond, _, rewards, _ = reference.rollout_and_score(PROMPTS, [0, 1], step=0)
+    adv = group_advantages(rewards.view(-1, 2)).flatten()
+    grads = exact_per_step_gradient(reference.policy, traj, cond, adv, reference.trained_steps)
+    expected = [-lr * g for g in grads]
+    assert sum(float(u.abs().sum()) for u in expected) > 0
+    assert rel_error(update, expected) < 1e-10
+
+
+@contextmanager
+def transformer_of(policy, transformer):
+    """The policy's velocity code around another transformer (e.g. a pipeline that loaded the export)."""
+    own = policy.transformer
+    policy.transformer = transformer
+    try:
+        yield policy
+    finally:
+        policy.transformer = own
+
+
+@by_case
+def test_jagg_fit_writes_an_adapter_the_family_pipeline_loads(case, twin_dirs, tmp_path, rng_seed):
+    seed = str(rng_seed % 10_000)
+    args = ["--config", str(ROOT / "configs/tiny.yaml"), "--seed_everything", seed, "--model.policy.seed", seed,
+            "--model.policy.pretrained", str(twin_dirs[case.name]), "--model.policy.guidance_scale", str(case.guidance[1]),
+            "--model.sampling.num_steps", "4", "--model.sampling.group_size", "2", "--model.jagg.window_size", "2",
+            "--data.prompts_file", str(ROOT / "configs/prompts/tiny.txt"), "--trainer.max_steps", "2",
+            "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.callbacks", "[]",
+            "--trainer.default_root_dir", str(tmp_path), "--lora_export.dirpath", str(tmp_path / "lora")]
+    if case.overrides.get("lora_targets", "keep") is None:
+        args += ["--model.policy.lora_targets", "null"]
+    cli = cli_main(args, run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    policy = cli.model.policy
+    assert policy.family == case.family
+    final = tmp_path / "lora" / "final"
+
+    gen = torch.Generator().manual_seed(int(seed))
+    z, t = torch.randn(2, *policy.latent_shape, generator=gen), torch.rand(2, generator=gen)
+    cond = policy.encode_prompts(PROMPTS)
+    pipe = case.build(0, torch.float32)
+    with torch.no_grad():
+        expected = policy.velocity(z, t, cond)
+        with transformer_of(policy, pipe.transformer):
+            base = policy.velocity(z, t, cond)
+        pipe.load_lora_weights(str(final / "diffusers"))
+        with transformer_of(policy, pipe.transformer):
+            loaded = policy.velocity(z, t, cond)
+    assert not torch.allclose(base, expected, rtol=1e-4, atol=1e-5)  # training moved the adapter
+    torch.testing.assert_close(loaded, expected, rtol=1e-5, atol=1e-6)
+
+    fresh = case.build(0, torch.float32).transformer  # the PEFT directory, as peft reads it
+    inject_adapter_in_model(LoraConfig.from_pretrained(str(final / "peft")), fresh)
+    assert not set_peft_model_state_dict(fresh, load_file(str(final / "peft" / "adapter_model.safetensors"))).unexpected_keys
+    with torch.no_grad(), transformer_of(policy, fresh):
+        torch.testing.assert_close(policy.velocity(z, t, cond), expected, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,46 @@
+"""Every model preset builds everything but the weights (no download), and holds the reference numbers."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from jagg_lightning.cli import cli_main
+from jagg_lightning.module import JAGGModule
+from jagg_lightning.policies import detect_family
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+
+# where the numbers come from is written in each preset's header
+REFERENCE = {
+    "sd35_medium.yaml": {"family": "sd3", "num_steps": 10, "noise_level": 0.7, "lora_rank": 32, "lora_alpha": 64,
+                         "guidance_scale": 4.5},
+    "flux_dev.yaml": {"family": "flux", "num_steps": 6, "noise_level": 0.9, "lora_rank": 64, "lora_alpha": 128,
+                      "guidance_scale": 3.5, "kl_beta": 0.0, "dtype": "bfloat16", "precision": "bf16-true"},
+}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_builds_everything_but_the_weights(preset, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    # the reward's weights and the GPU are what this machine lacks; everything else is built as configured
+    cli = cli_main(["--config", f"configs/{preset}", "--trainer.accelerator", "cpu", "--trainer.logger", "false",
+                    "--model.reward", "jpeg_compressibility"], run=False)
+    module = cli.model
+    assert isinstance(module, JAGGModule) and "policy" not in module._modules  # __init__ built no model
+    config = module.policy_config
+    if config.pretrained is not None:  # a real-model preset names its family: detection needs no download
+        assert config.family is not None, f"{preset}: set model.policy.family"
+    family = detect_family(config)
+    policy_class = family.policy_class()
+    # the LoRA targets exist in the family's architecture (its tiny twin has the same module names)
+    twin = policy_class.build_tiny_pipeline(0, torch.float32).transformer
+    names = [name for name, _ in twin.named_modules()]
+    for target in config.lora_targets or policy_class.default_lora_targets:
+        assert any(name == target or name.endswith("." + target) for name in names), f"{preset}: {target}"
+    expected = REFERENCE.get(preset, {})
+    found = {"family": family.name, "num_steps": module.sampling.num_steps, "noise_level": module.sampling.noise_level,
+             "lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha, "guidance_scale": config.guidance_scale,
+             "kl_beta": module.grpo.kl_beta, "dtype": config.dtype, "precision": cli.trainer.precision}
+    assert {k: found[k] for k in expected} == expected
