@@ -26,6 +26,7 @@ class FamilyCase:
     guidance: tuple[float, float]  # guidance_scale (off, on)
     overrides: dict = field(default_factory=dict)  # PolicyConfig fields for the twin
     call_kwargs: dict = field(default_factory=dict)  # extra pipeline __call__ arguments
+    training: bool = True  # run the training tests (plain SD3 has its own in test_module / test_checkpoint_export)
 
     def config(self, **kw):
         return tiny_policy_config(**(self.overrides | kw))
@@ -35,10 +36,13 @@ class FamilyCase:
 
 
 CASES = [
-    FamilyCase("sd3", "sd3", "SD3Policy", lambda seed, dtype: build_tiny_sd3_pipeline(seed, dtype), (1.0, 4.0)),
+    FamilyCase("sd3", "sd3", "SD3Policy", lambda seed, dtype: build_tiny_sd3_pipeline(seed, dtype), (1.0, 4.0),
+               training=False),
     FamilyCase("sd35", "sd3", "SD3Policy", lambda seed, dtype: build_tiny_sd3_pipeline(seed, dtype, sd35=True),
                (1.0, 4.0)),
     # FLUX: its own Flow-GRPO targets (null), embedded guidance 1.0 vs 3.5, one forward either way
     FamilyCase("flux", "flux", "FluxPolicy", lambda seed, dtype: build_tiny_flux_pipeline(seed, dtype), (1.0, 3.5),
                overrides={"lora_targets": None}),
 ]
+
+TRAINING_CASES = [case for case in CASES if case.training]

@@ -18,12 +18,13 @@ from jagg_lightning.grpo import group_advantages
 from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.policies import build_policy, detect_family
 
-from families import CASES
+from families import CASES, TRAINING_CASES
 from helpers import exact_per_step_gradient, randomize_lora_b, rel_error
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["a red cat", "a blue dog"]
 by_case = pytest.mark.parametrize("case", CASES, ids=str)
+by_training_case = pytest.mark.parametrize("case", TRAINING_CASES, ids=str)
 
 
 @pytest.fixture(scope="session")
@@ -98,7 +99,7 @@ def test_schedule_equals_the_family_pipeline(case, twin_dirs, num_steps):
     assert torch.equal(times, pipe.scheduler.sigmas.float())
 
 
-@by_case
+@by_training_case
 @pytest.mark.parametrize("guided", [False, True], ids=["guidance_off", "guidance_on"])
 def test_first_update_ratio_is_one(case, twin_dirs, guided, rng_seed):
     module = module_for(case, twin_dirs[case.name], rng_seed % 10_000, guidance=case.guidance[int(guided)])
@@ -108,7 +109,7 @@ def test_first_update_ratio_is_one(case, twin_dirs, guided, rng_seed):
     assert any(r.backwards > 0 for r in module.window_records)
 
 
-@by_case
+@by_training_case
 @pytest.mark.parametrize("jagg_frac,window_size", [(0.0, 3), (1.0, 2)], ids=["exact_grpo", "jagg_w2"])
 def test_update_equals_handwritten_per_step_grpo(case, twin_dirs, jagg_frac, window_size, rng_seed):
     """float64: jagg_frac 0, and JAGG on W = 2 windows (no interior step), give the per-step GRPO step."""
@@ -142,7 +143,7 @@ def transformer_of(policy, transformer):
         policy.transformer = own
 
 
-@by_case
+@by_training_case
 def test_jagg_fit_writes_an_adapter_the_family_pipeline_loads(case, twin_dirs, tmp_path, rng_seed):
     seed = str(rng_seed % 10_000)
     args = ["--config", str(ROOT / "configs/tiny.yaml"), "--seed_everything", seed, "--model.policy.seed", seed,
