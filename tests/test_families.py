@@ -18,7 +18,7 @@ from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingCo
 from jagg_lightning.policies import build_policy, detect_family
 
 from families import CASES, TRAINING_CASES
-from helpers import exact_per_step_gradient, randomize_lora_b, rel_error
+from helpers import exact_per_step_gradient, lora_grads, randomize_lora_b, rel_error
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["a red cat", "a blue dog"]
@@ -196,3 +196,23 @@ def test_jagg_fit_writes_an_adapter_the_family_pipeline_loads(case, twin_dirs, t
     fresh = PeftModel.from_pretrained(case.build(0, torch.float32).transformer, str(final / "peft")).base_model.model
     with torch.no_grad(), transformer_of(policy, fresh):
         torch.testing.assert_close(policy.velocity(z, t, cond), expected, rtol=1e-5, atol=1e-6)
+
+
+@by_training_case
+def test_gradient_checkpointing_keeps_the_lora_gradient(case, twin_dirs, rng_seed):
+    seed = rng_seed % 10_000
+    policy = build_policy(case.config(pretrained=str(twin_dirs[case.name]), seed=seed, guidance_scale=case.guidance[1]))
+    randomize_lora_b(policy.transformer, torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    z, t = torch.randn(2, *policy.latent_shape, generator=gen), torch.rand(2, generator=gen)
+    cond = policy.encode_prompts(PROMPTS)
+
+    def gradient():
+        policy.transformer.zero_grad(set_to_none=True)
+        policy.velocity(z, t, cond).square().sum().backward()
+        return lora_grads(policy)
+
+    plain = gradient()
+    policy.enable_gradient_checkpointing()
+    assert policy.transformer.is_gradient_checkpointing
+    assert rel_error(gradient(), plain) < 1e-5
