@@ -41,6 +41,11 @@ Contract details the engine relies on:
   shift instead of the scheduler's.
 * ``guided``: whether ``cond`` carries the negative branch (CFG with two forwards).
 * ``pipeline_class``: the diffusers pipeline class (``save_lora_weights`` / ``load_lora_weights``).
+* ``setup`` must set ``self.resolution`` (pixels; callbacks size their grids from it) and check it.
+  Read guidance from ``self.config.guidance_scale`` at call time (evaluation changes it temporarily).
+* Available to a family: ``self.config`` (the PolicyConfig), ``self._pipeline`` (kept outside the module
+  tree, for its ``encode_prompt``), ``self.scheduler`` (a copy), ``self.lora_targets`` (effective).
+* Tests: add a ``FamilyCase`` to tests/families.py and tests/test_families.py runs on the new twin.
 """
 
 from __future__ import annotations
