@@ -18,6 +18,9 @@ REFERENCE = {
                          "guidance_scale": 4.5},
     "flux_dev.yaml": {"family": "flux", "num_steps": 6, "noise_level": 0.9, "lora_rank": 64, "lora_alpha": 128,
                       "guidance_scale": 3.5, "kl_beta": 0.0, "dtype": "bfloat16", "precision": "bf16-true"},
+    "qwen_image.yaml": {"family": "qwen_image", "num_steps": 10, "noise_level": 1.2, "lora_rank": 64, "lora_alpha": 128,
+                        "guidance_scale": 4.0, "kl_beta": 0.0, "dtype": "bfloat16", "precision": "bf16-true",
+                        "window_size": 5},
 }
 
 
@@ -43,5 +46,6 @@ def test_preset_builds_everything_but_the_weights(preset, monkeypatch):
     expected = REFERENCE.get(preset, {})
     found = {"family": family.name, "num_steps": module.sampling.num_steps, "noise_level": module.sampling.noise_level,
              "lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha, "guidance_scale": config.guidance_scale,
-             "kl_beta": module.grpo.kl_beta, "dtype": config.dtype, "precision": cli.trainer.precision}
+             "kl_beta": module.grpo.kl_beta, "dtype": config.dtype, "precision": cli.trainer.precision,
+             "window_size": module.jagg.window_size}
     assert {k: found[k] for k in expected} == expected
