@@ -4,17 +4,23 @@ A *group* is the K samples drawn for one prompt. The advantage of sample i in gr
 
     A_i = clip((r_i - mean_g) / (std + eps), -adv_clip, adv_clip)
 
-with ``std`` the group's (default) or the whole batch's ("global") standard deviation. Across
-processes the global one comes from all-reduced count, sum and sum of squares (:func:`global_reward_std`),
-so one process on N prompts and P processes on N / P each normalise alike.
+with ``std`` the group's (default) or the whole batch's ("global") standard deviation, with ``ddof``
+0 by default (numpy's ``np.std``, as Flow-GRPO's stat tracker; 1 = the unbiased std, as DanceGRPO's
+``torch.std``). Across processes the global one comes from all-reduced count, sum and sum of squares
+(:func:`global_reward_std`), so one process on N prompts and P processes on N / P each normalise alike.
+A group whose rewards are all equal gets exactly zero advantage.
 
 The loss of sample i at trained step k is written as a function of the velocity v_k alone
 (every other quantity is fixed by the rollout record), so g_k = dL_k/dv_k is one cheap autograd call:
 
     rho  = exp(log pi_theta(z_{k+1} | z_k) - log pi_old)
-    L_ik = max(-A_i rho, -A_i clip(rho, 1 - eps, 1 + eps)) + beta ||mu_theta - mu_ref||^2 / (2 s_k^2)
+    L_ik = max(-A_i rho, -A_i clip(rho, 1 - eps, 1 + eps)) + beta KL_k,
+    KL_k = ||mu_theta - mu_ref||^2 / (2 sigma_k^2)     ("flow_grpo", default: Flow-GRPO's std_dev_t)
+    KL_k = ||mu_theta - mu_ref||^2 / (2 s_k^2)         ("exact": the KL of the two step Gaussians)
 
-(the squared norm is a mean over latent elements). Plain torch: no Lightning here.
+(squared norms are means over latent elements; for the SDE s_k^2 = sigma_k^2 (-dt), for CPS the two
+coincide). The log-prob convention of CPS steps is ``cps_log_prob`` (see sde.py).
+Plain torch: no Lightning here.
 """
 
 from __future__ import annotations
@@ -26,7 +32,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from jagg_lightning.sde import StepKind, step_distribution
+from jagg_lightning.sde import LogProbConvention, StepKind, step_distribution
+
+KLConvention = Literal["flow_grpo", "exact"]
+KL_CONVENTIONS = ("flow_grpo", "exact")
 
 
 AllReduce = Callable[[Tensor], Tensor]
@@ -59,26 +68,31 @@ def group_advantages(
     std: Literal["group", "global"] = "group",
     eps: float = 1e-4,
     adv_clip: float = 5.0,
-    ddof: int = 1,
+    ddof: int = 0,
     all_reduce: AllReduce | None = None,
 ) -> Tensor:
     """Advantages for rewards laid out [groups, K]; returns the same shape.
 
-    A group whose rewards are all equal gets zeros (its centred rewards are exactly 0). ``ddof`` is
-    the standard deviation's delta degrees of freedom; with ``std="global"``, ``all_reduce`` (a sum over
-    processes) makes the statistic span every process (see :func:`global_reward_std`).
+    ``ddof`` is the std's delta degrees of freedom (0: np.std, Flow-GRPO; 1: unbiased, DanceGRPO).
+    A group whose rewards are all equal gets exactly zero (set explicitly: a float mean of equal
+    values need not equal them). With ``std="global"``, ``all_reduce`` (a sum over processes) makes
+    the statistic span every process (see :func:`global_reward_std`).
     """
     if rewards.ndim != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards must be [groups, K] with K >= 2, got shape {tuple(rewards.shape)}")
     if std not in ("group", "global"):
         raise ValueError(f"std must be 'group' or 'global', got {std!r}")
+    if ddof not in (0, 1):
+        raise ValueError(f"ddof must be 0 or 1, got {ddof!r}")
     rewards = rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     if std == "group":
         scale = rewards.std(dim=1, keepdim=True, correction=ddof)
     else:
         scale = global_reward_std(rewards, ddof, all_reduce)
-    return (centred / (scale + eps)).clamp(-adv_clip, adv_clip)
+    advantages = (centred / (scale + eps)).clamp(-adv_clip, adv_clip)
+    constant = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(constant, torch.zeros_like(advantages), advantages)
 
 
 @dataclass
@@ -112,10 +126,14 @@ def step_loss(
     noise_level: float = 0.7,
     clip_range: float = 1e-4,
     kl_beta: float = 0.0,
+    cps_log_prob: LogProbConvention = "squared_error",
+    kl_convention: KLConvention = "flow_grpo",
 ) -> tuple[Tensor, StepLossStats]:
-    """Per-sample loss L_k [B] at velocity ``v`` and its detached statistics."""
+    """Per-sample loss L_k [B] at velocity ``v`` and its detached statistics (conventions: module docstring)."""
+    if kl_convention not in KL_CONVENTIONS:
+        raise ValueError(f"kl_convention must be one of {KL_CONVENTIONS}, got {kl_convention!r}")
     dist = step_distribution(record.z, v, record.t, record.t_next, kind, noise_level)
-    log_prob = dist.log_prob(record.z_next)
+    log_prob = dist.log_prob(record.z_next, cps_log_prob)
     log_ratio = log_prob - record.old_log_prob.to(log_prob.dtype)
     ratio = torch.exp(log_ratio)
     adv = record.advantage.to(log_prob.dtype)
@@ -128,7 +146,8 @@ def step_loss(
         if record.ref_velocity is None:
             raise ValueError("kl_beta > 0 needs the reference velocity of every trained step")
         ref = step_distribution(record.z, record.ref_velocity, record.t, record.t_next, kind, noise_level)
-        kl = ((dist.mean - ref.mean.detach()) ** 2).mean(dim=tuple(range(1, v.ndim))) / (2 * dist.std.flatten() ** 2)
+        scale = dist.sigma if kl_convention == "flow_grpo" else dist.std
+        kl = ((dist.mean - ref.mean.detach()) ** 2).mean(dim=tuple(range(1, v.ndim))) / (2 * scale.flatten() ** 2)
         loss = loss + kl_beta * kl
     stats = StepLossStats(
         policy_loss=policy_loss.detach(),

@@ -19,7 +19,7 @@ import random
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from jagg_lightning.adapters import adapter_identity, identity_mismatch
 from jagg_lightning.batching import batch_slice
-from jagg_lightning.grpo import StepRecord, group_advantages, step_loss
+from jagg_lightning.grpo import KL_CONVENTIONS, StepRecord, group_advantages, step_loss
 from jagg_lightning.ema import LoRAEMA
 from jagg_lightning.jagg import (
     Window,
@@ -52,14 +52,32 @@ from jagg_lightning.policies import Policy, PolicyConfig, build_policy
 from jagg_lightning.rewards import Reward, build_reward, describe_reward
 from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.strategies import shard_transformer
-from jagg_lightning.rollout import Trajectory, sample_generators, sample_seed, sample_trajectories
+from jagg_lightning.rollout import (
+    Trajectory,
+    choose_windows,
+    sample_generators,
+    sample_seed,
+    sample_trajectories,
+    sde_window_start,
+)
+from jagg_lightning.sde import CPS_LOG_PROBS
 
 
 @dataclass
 class SamplingConfig:
     """Rollouts. ``group_size`` K samples per prompt; the first ``trained_steps`` steps get a loss term
     (default all but the last, nearly clean one); ``step_kind`` is the stochastic step of trained steps;
-    ``ode_after_trained`` samples the rest with Euler (Flow-GRPO-Fast style). ``shift`` None = the model's."""
+    ``ode_after_trained`` samples the rest with Euler. ``shift`` None = the model's.
+
+    ``cps_log_prob``: "squared_error" (Flow-GRPO's CPS -mean((x - mu)^2)) or "gaussian" (the true density).
+    SDE window (Flow-GRPO-Fast / MixGRPO): with ``sde_window_size`` set, only that many consecutive steps
+    are stochastic (``step_kind``) and trained, every other step is ODE; the window lies inside
+    ``sde_window_range`` = [lo, hi) and its start is drawn per rollout (``sde_window_schedule`` "random")
+    or slides by ``sde_window_stride`` every ``sde_window_shift_every`` optimizer steps ("progressive").
+    ``window_fraction``: the share of JAGG windows trained per rollout, drawn at random (DanceGRPO's
+    ``timestep_fraction`` at window granularity). ``train_guidance_scale`` overrides ``policy.guidance_scale``
+    in rollouts and training; 1.0 = no guidance (Flow-GRPO's CFG-free training; evaluation keeps
+    ``evaluation.guidance_scale``)."""
 
     num_steps: int = 10
     group_size: int = 4
@@ -70,6 +88,14 @@ class SamplingConfig:
     shift: float | None = None
     rollout_batch_size: int = 8
     seed: int = 0
+    cps_log_prob: Literal["squared_error", "gaussian"] = "squared_error"
+    sde_window_size: int | None = None
+    sde_window_range: list[int] | None = None
+    sde_window_schedule: Literal["random", "progressive"] = "random"
+    sde_window_shift_every: int = 25
+    sde_window_stride: int = 1
+    window_fraction: float = 1.0
+    train_guidance_scale: float | None = None
 
     def __post_init__(self):
         _check_ints(self, "sampling", "num_steps", "group_size", "rollout_batch_size", "trained_steps", "seed")
@@ -84,17 +110,59 @@ class SamplingConfig:
                f"< num_steps={self.num_steps} with step_kind cps (its last step is deterministic)", self.trained_steps)
         _check(self.rollout_batch_size >= 1, "sampling.rollout_batch_size", ">= 1", self.rollout_batch_size)
         _check(self.shift is None or self.shift > 0, "sampling.shift", "> 0 or null", self.shift)
+        _check(self.cps_log_prob in CPS_LOG_PROBS, "sampling.cps_log_prob", "'squared_error' or 'gaussian'",
+               self.cps_log_prob)
+        _check(0.0 < self.window_fraction <= 1.0, "sampling.window_fraction", "in (0, 1]", self.window_fraction)
+        _check(self.train_guidance_scale is None or self.train_guidance_scale >= 1.0, "sampling.train_guidance_scale",
+               ">= 1.0 (1.0 = no guidance) or null", self.train_guidance_scale)
+        self._check_sde_window()
+
+    def _check_sde_window(self) -> None:
+        if self.sde_window_size is None:
+            _check(self.sde_window_range is None, "sampling.sde_window_range", "null without sampling.sde_window_size",
+                   self.sde_window_range)
+            return
+        _check(self.sde_window_size >= 1, "sampling.sde_window_size", ">= 1 or null", self.sde_window_size)
+        _check(self.trained_steps is None, "sampling.trained_steps", "null with sampling.sde_window_size (the window "
+               "is what is trained)", self.trained_steps)
+        if self.sde_window_range is None:
+            self.sde_window_range = [0, self.num_steps - 1]
+        last = self.num_steps - 1 if self.step_kind == "cps" else self.num_steps
+        ok = len(self.sde_window_range) == 2 and 0 <= self.sde_window_range[0]
+        ok = ok and self.sde_window_range[1] <= last and self.sde_window_range[1] - self.sde_window_range[0] >= self.sde_window_size
+        _check(ok, "sampling.sde_window_range", f"[lo, hi] with 0 <= lo, hi <= {last} (num_steps"
+               f"{' - 1: a CPS step into t = 0 is deterministic' if self.step_kind == 'cps' else ''}) and "
+               f"hi - lo >= sde_window_size={self.sde_window_size}", self.sde_window_range)
+        _check(self.sde_window_schedule in ("random", "progressive"), "sampling.sde_window_schedule",
+               "'random' or 'progressive'", self.sde_window_schedule)
+        _check(self.sde_window_shift_every >= 1, "sampling.sde_window_shift_every", ">= 1", self.sde_window_shift_every)
+        _check(self.sde_window_stride >= 1, "sampling.sde_window_stride", ">= 1", self.sde_window_stride)
 
     @property
     def num_trained(self) -> int:
+        """Steps trained per rollout (before ``window_fraction``): the SDE window, or ``trained_steps``."""
+        if self.sde_window_size is not None:
+            return self.sde_window_size
         return self.num_steps - 1 if self.trained_steps is None else self.trained_steps
+
+    @property
+    def trainable_steps(self) -> list[int]:
+        """Every step some rollout may train: the window range, or the first ``num_trained`` steps."""
+        if self.sde_window_size is not None:
+            return list(range(*self.sde_window_range))
+        return list(range(self.num_trained))
 
 
 @dataclass
 class GRPOConfig:
     """The GRPO update: PPO clip range, KL weight beta (0 = no reference pass), advantage clip and
     normalisation, inner epochs over each rollout, samples per micro-batch, micro-batches per optimizer
-    step (None = one step per inner epoch) and the gradient-norm clip (None = off)."""
+    step (None = one step per inner epoch) and the gradient-norm clip (None = off).
+
+    ``kl_convention``: "flow_grpo" divides the KL by 2 sigma_k^2 (Flow-GRPO), "exact" by 2 s_k^2.
+    ``std_ddof``: 0 (np.std, Flow-GRPO) or 1 (unbiased, DanceGRPO) for the advantage std; ``adv_eps`` is
+    added to it. ``skip_zero_advantage``: with kl_beta 0, samples whose advantage is exactly 0 (a group
+    of equal rewards) get no forward or backward; the update is the same."""
 
     clip_range: float = 1e-4
     kl_beta: float = 0.0
@@ -104,6 +172,10 @@ class GRPOConfig:
     train_batch_size: int = 8
     micro_batches_per_update: int | None = None
     max_grad_norm: float | None = 1.0
+    kl_convention: Literal["flow_grpo", "exact"] = "flow_grpo"
+    std_ddof: int = 0
+    adv_eps: float = 1e-4
+    skip_zero_advantage: bool = True
 
     def __post_init__(self):
         _check_ints(self, "grpo", "inner_epochs", "train_batch_size", "micro_batches_per_update")
@@ -117,6 +189,9 @@ class GRPOConfig:
                "grpo.micro_batches_per_update", ">= 1 or null", self.micro_batches_per_update)
         _check(self.max_grad_norm is None or self.max_grad_norm > 0, "grpo.max_grad_norm", "> 0 or null",
                self.max_grad_norm)
+        _check(self.kl_convention in KL_CONVENTIONS, "grpo.kl_convention", "'flow_grpo' or 'exact'", self.kl_convention)
+        _check(self.std_ddof in (0, 1), "grpo.std_ddof", "0 (np.std) or 1 (unbiased)", self.std_ddof)
+        _check(self.adv_eps > 0, "grpo.adv_eps", "> 0", self.adv_eps)
 
 
 @dataclass
@@ -237,6 +312,19 @@ def _full_precision_defaults(step):
 
 
 @dataclass
+class RolloutPlan:
+    """What one rollout samples and trains, drawn from (seed, global step) only: the same on every process."""
+
+    step_kinds: list[str]  # per sampling step: "sde" / "cps" inside the stochastic steps, "ode" elsewhere
+    stochastic_steps: list[int]  # the SDE window (or the first num_trained steps)
+    windows: list[Window] = field(default_factory=list)  # the JAGG windows trained (after window_fraction)
+
+    @property
+    def trained_steps(self) -> list[int]:
+        return sorted({k for w in self.windows for k in w.steps})
+
+
+@dataclass
 class RolloutBatch:
     """What one training step's rollout produced, kept until the next step for diagnostics."""
 
@@ -288,8 +376,9 @@ class JAGGModule(L.LightningModule):
         self.jagg = _as_config(JAGGConfig, jagg)
         self.evaluation = _as_config(EvalConfig, evaluation)
         # Everything that can be checked is checked before any model is built.
+        trained_name = "sampling.sde_window_size" if self.sampling.sde_window_size is not None else "sampling.trained_steps"
         _check(self.jagg.window_size <= self.sampling.num_trained, "jagg.window_size",
-               f"<= sampling.trained_steps ({self.sampling.num_trained})", self.jagg.window_size)
+               f"<= {trained_name} ({self.sampling.num_trained})", self.jagg.window_size)
         optimizer = _rebuild_callable("optimizer", optimizer) or default_optimizer
         lr_scheduler = _rebuild_callable("lr_scheduler", lr_scheduler)
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
@@ -318,10 +407,14 @@ class JAGGModule(L.LightningModule):
         self.ema_decay = ema_decay
         self.ema: LoRAEMA | None = None
         self._schedules: dict[tuple, Tensor] = {}
-        self.trained_steps = list(range(self.sampling.num_trained))
-        self.windows: list[Window] = plan_windows(self.trained_steps, self.jagg.window_size, self.jagg.chained)
+        self.trained_steps = self.sampling.trainable_steps  # every step a rollout may train
+        self.plan = self.plan_rollout(0)  # of the last rollout (callbacks read it, and ``windows``)
+        self.windows: list[Window] = self.plan.windows
+        self.skipped_samples = 0  # zero-advantage samples given no pass in the last training step
+        self._ratio_warned = False
         self.window_records: list[WindowRecord] = []  # of the last training step, all micro-batches
         self.first_update_ratio_deviation = float("nan")  # max |rho - 1| in the first update of the last step
+        self.first_update_ratio_off = False  # that deviation exceeds float noise (a warning was raised)
         self.last_rollout: RolloutBatch | None = None
         self._eval_sums: dict[str, Tensor] = {}  # component -> [sum, count] over this process's eval samples
         self._eval_grid: list[Tensor] = []
@@ -385,20 +478,44 @@ class JAGGModule(L.LightningModule):
 
     @property
     def step_kinds(self) -> list[str]:
-        after = "ode" if self.sampling.ode_after_trained else self.sampling.step_kind
-        return [self.sampling.step_kind if k < self.sampling.num_trained else after for k in range(self.sampling.num_steps)]
+        """The step kinds of the last planned rollout."""
+        return self.plan.step_kinds
+
+    def plan_rollout(self, step: int) -> RolloutPlan:
+        """Step kinds, SDE window and trained JAGG windows of the rollout at ``step`` (seeded, rank-free)."""
+        s = self.sampling
+        if s.sde_window_size is None:
+            stochastic = list(range(s.num_trained))
+            after = "ode" if s.ode_after_trained else s.step_kind
+            kinds = [s.step_kind if k < s.num_trained else after for k in range(s.num_steps)]
+        else:
+            start = sde_window_start(s.seed, step, s.sde_window_size, s.sde_window_range, s.sde_window_schedule,
+                                     s.sde_window_shift_every, s.sde_window_stride)
+            stochastic = list(range(start, start + s.sde_window_size))
+            kinds = [s.step_kind if k in stochastic else "ode" for k in range(s.num_steps)]
+        windows = plan_windows(stochastic, self.jagg.window_size, self.jagg.chained)
+        chosen = choose_windows(len(windows), s.window_fraction, s.seed, step)
+        return RolloutPlan(kinds, stochastic, [windows[i] for i in chosen])
+
+    def training_guidance(self):
+        """Guidance of rollouts and training (``sampling.train_guidance_scale``; 1.0 = CFG-free); evaluation
+        uses ``evaluation.guidance_scale``."""
+        return self._guidance(self.sampling.train_guidance_scale)
 
     # ------------------------------------------------------------------ rollout
     @torch.no_grad()
     def rollout(self, prompts: list[str], prompt_indices: list[int], step: int,
-                on_micro_batch=None) -> tuple[Trajectory, tuple]:
-        """K samples per prompt (prompt-major): the trajectory and the per-sample condition."""
+                on_micro_batch=None, step_kinds: list[str] | None = None) -> tuple[Trajectory, tuple]:
+        """K samples per prompt (prompt-major): the trajectory and the per-sample condition.
+
+        ``step_kinds`` default: those of :meth:`plan_rollout` at ``step``."""
         K = self.sampling.group_size
         cond = tuple(c.repeat_interleave(K, dim=0) for c in self.policy.encode_prompts(prompts))
         traj = sample_trajectories(
             self.policy.velocity, cond, sample_generators(self.sampling.seed, step, prompt_indices, K),
-            self.policy.latent_shape, self.times, self.step_kinds, self.sampling.noise_level,
-            self.sampling.rollout_batch_size, self.device, self._sde_dtype, on_micro_batch,
+            self.policy.latent_shape, self.times, step_kinds or self.plan_rollout(step).step_kinds,
+            self.sampling.noise_level, self.sampling.rollout_batch_size, self.device, self._sde_dtype,
+            on_micro_batch, self.sampling.cps_log_prob,
         )
         return traj, cond
 
@@ -407,7 +524,8 @@ class JAGGModule(L.LightningModule):
         return torch.float64 if self.policy_config.dtype == "float64" else torch.float32
 
     @torch.no_grad()
-    def rollout_and_score(self, prompts: list[str], prompt_indices: list[int], step: int):
+    def rollout_and_score(self, prompts: list[str], prompt_indices: list[int], step: int,
+                          step_kinds: list[str] | None = None):
         """The rollout with every micro-batch decoded as soon as it is sampled and scored -- in a thread
         pool when ``reward_workers`` > 0, so scoring overlaps the next micro-batch's sampling.
 
@@ -425,7 +543,7 @@ class JAGGModule(L.LightningModule):
                 done.set_result(self.score(images, sample_prompts[part]))
                 pending.append(done)
 
-        traj, cond = self.rollout(prompts, prompt_indices, step, score_micro_batch)
+        traj, cond = self.rollout(prompts, prompt_indices, step, score_micro_batch, step_kinds)
         results = [f.result() for f in pending]
         rewards = torch.cat([total for total, _ in results])
         components = {name: torch.cat([c[name] for _, c in results]) for name in results[0][1]}
@@ -452,28 +570,30 @@ class JAGGModule(L.LightningModule):
             self._pool = None
 
     @torch.no_grad()
-    def reference_velocities(self, traj: Trajectory, cond: tuple) -> Tensor | None:
-        """v with the adapter off at every trained step; theta-independent, so once per rollout."""
+    def reference_velocities(self, traj: Trajectory, cond: tuple, steps: list[int] | None = None) -> Tensor | None:
+        """v with the adapter off at every trained step (default: the last plan's), zeros elsewhere;
+        theta-independent, so once per rollout."""
         if self.grpo.kl_beta == 0:
             return None
-        out = torch.empty_like(traj.velocities[: len(self.trained_steps)])
+        out = torch.zeros_like(traj.velocities)
         size = self.sampling.rollout_batch_size
         with self.policy.adapter_disabled():
-            for k in self.trained_steps:
+            for k in self.plan.trained_steps if steps is None else steps:
                 for i in range(0, out.shape[1], size):
                     z = traj.latents[k, i : i + size]
                     out[k, i : i + size] = self.policy.velocity(z, traj.times[k].expand(z.shape[0]), batch_slice(cond, slice(i, i + size)))
         return out
 
-    def route(self, traj: Trajectory) -> list[Window]:
-        """Score every window from the recorded velocities (``jagg.routing``; mean over all samples of all
-        processes), route."""
+    def route(self, traj: Trajectory, windows: list[Window] | None = None) -> list[Window]:
+        """Score every window (default: ``self.windows``) from the recorded velocities (``jagg.routing``;
+        mean over all samples of all processes), route."""
+        windows = self.windows if windows is None else windows
         scores = torch.tensor([routing_score(self.jagg.routing, traj.velocities, traj.times, w.steps)
-                               for w in self.windows], device=self.device)
+                               for w in windows], device=self.device)
         if self._trainer is not None:
             # every process must route alike: under DDP the backward calls (and their all-reduces) must match
             scores = self.trainer.strategy.reduce(scores, reduce_op="mean")
-        return route_windows(self.windows, scores.tolist(), self.jagg.jagg_frac, self.jagg.window_size,
+        return route_windows(windows, scores.tolist(), self.jagg.jagg_frac, self.jagg.window_size,
                              self.jagg.score_limit)
 
     # ------------------------------------------------------------------ update
@@ -486,7 +606,8 @@ class JAGGModule(L.LightningModule):
                 mb.latents[k], mb.latents[k + 1], float(mb.times[k]), float(mb.times[k + 1]), mb.log_probs[k],
                 advantages, None if ref_v is None else ref_v[k],
             )
-            loss, st = step_loss(v, record, kind, self.sampling.noise_level, g.clip_range, g.kl_beta)
+            loss, st = step_loss(v, record, kind, self.sampling.noise_level, g.clip_range, g.kl_beta,
+                                 self.sampling.cps_log_prob, g.kl_convention)
             stats.append((k, st))
             return loss.mean() * scale
 
@@ -499,25 +620,52 @@ class JAGGModule(L.LightningModule):
         """Accumulate this micro-batch's share of d(mean loss over the update)/dtheta."""
         mb = traj.select(index)
         mb_ref = None if ref_v is None else ref_v[:, index]
-        scale = len(index) / (update_size * len(self.trained_steps))
+        scale = len(index) / (update_size * len(self.plan.trained_steps))
         loss_of_step = self.step_loss_fn(mb, advantages[index], mb_ref, scale, stats)
         mb_cond = batch_slice(cond, index)
         return accumulate_gradients(
-            self.policy.velocity, mb.latents, mb.times, mb_cond, loss_of_step, self.windows,
+            self.policy.velocity, mb.latents, mb.times, mb_cond, loss_of_step, self.plan.windows,
             cached_velocities=mb.velocities if (use_cache and self.jagg.cache_interior) else None,
             low_memory=self.jagg.low_memory, backward=self.manual_backward,
         )
 
+    def drop_zero_advantage(self, group: list[Tensor], advantages: Tensor) -> list[Tensor]:
+        """The micro-batches of one update without the samples whose advantage is exactly 0, repacked into
+        micro-batches of ``train_batch_size`` (when kl_beta = 0 they contribute nothing, so the update,
+        which keeps its full-size normalisation, is the same). Every process makes as many micro-batches as
+        the process with the most -- a short one pads with single zero-advantage samples (zero gradient) --
+        so the passes, and any collective inside them (FSDP's all-gathers), stay matched."""
+        if not self.grpo.skip_zero_advantage or self.grpo.kl_beta > 0:
+            return group
+        index = torch.cat(group)
+        nonzero = advantages[index] != 0
+        keep, zero = index[nonzero], index[~nonzero]
+        kept = list(keep.split(self.grpo.train_batch_size)) if len(keep) else []
+        count = torch.tensor(len(kept), device=self.device)
+        if self._trainer is not None and self.trainer.world_size > 1:
+            count = self.all_gather(count).max()
+        padding = int(count) - len(kept)
+        kept += [zero[i : i + 1] for i in range(padding)]
+        self.skipped_samples += len(zero) - padding
+        return kept
+
     @_full_precision_defaults
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        with self.training_guidance():
+            return self._training_step(batch, batch_idx)
+
+    def _training_step(self, batch: dict, batch_idx: int) -> Tensor:
         prompts, indices = unpack_prompt_batch(batch)
         step = self.global_step
-        traj, cond, _, rewards, components = self.rollout_and_score(prompts, indices, step)
+        self.plan = plan = self.plan_rollout(step)
+        self.windows = plan.windows
+        traj, cond, _, rewards, components = self.rollout_and_score(prompts, indices, step, plan.step_kinds)
         K = self.sampling.group_size
-        advantages = group_advantages(rewards.view(-1, K), self.grpo.adv_std, adv_clip=self.grpo.adv_clip,
-                                      all_reduce=self._all_reduce_sum).flatten()
-        ref_v = self.reference_velocities(traj, cond)
-        self.route(traj)
+        advantages = group_advantages(rewards.view(-1, K), self.grpo.adv_std, self.grpo.adv_eps, self.grpo.adv_clip,
+                                      self.grpo.std_ddof, all_reduce=self._all_reduce_sum).flatten()
+        ref_v = self.reference_velocities(traj, cond, plan.trained_steps)
+        self.route(traj, plan.windows)
+        self.skipped_samples = 0
 
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
@@ -534,10 +682,14 @@ class JAGGModule(L.LightningModule):
             for start in range(0, len(micro), per_update):
                 group = micro[start : start + per_update]
                 update_size = sum(len(m) for m in group)
+                group = self.drop_zero_advantage(group, advantages)
                 with self._local_backward():
                     for index in group:
                         records += self.micro_batch_backward(traj, cond, advantages, ref_v, index, update_size,
                                                              theta_is_old, first_update_stats if theta_is_old else stats)
+                if not group:  # every sample skipped: the zero gradient the optimizer would have seen
+                    for p in self.policy.lora_parameters():
+                        p.grad = torch.zeros_like(p)
                 self._all_reduce_gradients()
                 if self.grpo.max_grad_norm is not None:
                     self.clip_gradients(optimizer, gradient_clip_val=self.grpo.max_grad_norm, gradient_clip_algorithm="norm")
@@ -551,7 +703,9 @@ class JAGGModule(L.LightningModule):
 
         self.window_records = records
         self.last_rollout = RolloutBatch(traj, cond, advantages, ref_v)
-        self.first_update_ratio_deviation = max(float((st.ratio - 1).abs().max()) for _, st in first_update_stats)
+        self.first_update_ratio_deviation = max((float((st.ratio - 1).abs().max()) for _, st in first_update_stats),
+                                                default=0.0)
+        self._check_first_update_ratio()
         micro_batches = self.grpo.inner_epochs * len(micro)
         self._log_step(rewards, stats + first_update_stats, records, micro_batches)
         # every component under its own name, a single reward too (as well as train/reward_mean)
@@ -561,10 +715,12 @@ class JAGGModule(L.LightningModule):
 
     def _log_step(self, rewards: Tensor, stats: list, records: list[WindowRecord], micro_batches: int) -> None:
         def mean_of(attr):
+            if not stats:  # every sample skipped (zero advantage)
+                return torch.tensor(float("nan"))
             return torch.stack([getattr(st, attr).float().mean() for _, st in stats]).mean()
 
         routed = [r for r in records if r.routed]
-        exact_passes = len(self.trained_steps) * micro_batches  # what exact GRPO makes of each pass kind
+        exact_passes = len(self.plan.trained_steps) * micro_batches  # what exact GRPO makes of each pass kind
         values = {
             "reward_mean": rewards.mean(),
             "reward_std": rewards.std(),
@@ -575,6 +731,8 @@ class JAGGModule(L.LightningModule):
             "ratio_mean": mean_of("ratio"),
             "routed_frac": torch.tensor(sum(w.routed for w in self.windows) / len(self.windows)),
             "ratio_dev_first_update": torch.tensor(self.first_update_ratio_deviation),
+            "ratio_first_update_off": torch.tensor(float(self.first_update_ratio_off)),
+            "skipped_samples": torch.tensor(float(self.skipped_samples)),
             "passes/backward": torch.tensor(float(sum(r.backwards for r in records))),
             "passes/grad_forward": torch.tensor(float(sum(r.grad_forwards for r in records))),
             "passes/nograd_forward": torch.tensor(float(sum(r.nograd_forwards for r in records))),
@@ -585,6 +743,37 @@ class JAGGModule(L.LightningModule):
         self.log_dict({f"train/{k}": v.float() for k, v in values.items()}, batch_size=rewards.shape[0])
         self.log("reward", rewards.mean().float(), prog_bar=True, batch_size=rewards.shape[0], logger=False)
 
+
+    def _check_first_update_ratio(self) -> None:
+        """Warn (once) when the first update's ratio is not 1 up to the rounding of the ratio itself.
+
+        On the first update theta = theta_old, so every log-prob is recomputed from the same weights on
+        the same inputs: rho is exactly 1 unless the forward rounds differently than in the rollout.
+        The tolerance is a quarter of the dtype's machine epsilon: the gap between 1 and its neighbours
+        is eps / 2 below and eps above, so any nonzero deviation of rho exceeds it.
+        """
+        tolerance = torch.finfo(self._sde_dtype).eps / 4
+        self.first_update_ratio_off = self.first_update_ratio_deviation > tolerance
+        if not self.first_update_ratio_off or self._ratio_warned:
+            return
+        self._ratio_warned = True
+        s, g = self.sampling, self.grpo
+        if g.train_batch_size != s.rollout_batch_size or self.skipped_samples:
+            cause = (f"grpo.train_batch_size ({g.train_batch_size}) differs from sampling.rollout_batch_size "
+                     f"({s.rollout_batch_size}){' (or zero-advantage samples were skipped, which shrinks micro-batches)' if self.skipped_samples else ''}: "
+                     "in float32 the transformer's kernels round differently for another batch shape, so the "
+                     "recomputed log-probs differ from the rollout's (Flow-GRPO's README warns of the same). Set "
+                     "both to the same value, or train in float64, to get rho = 1 exactly")
+        elif any(w.routed for w in self.plan.windows) and not self.jagg.low_memory:
+            cause = ("JAGG batches the two anchors of a window into one forward of 2 x grpo.train_batch_size samples, "
+                     "a batch shape the rollout never used, and float32 kernels round by shape; jagg.low_memory: true "
+                     "keeps the rollout's shape")
+        else:
+            cause = ("the batch shapes match, so the forward itself is not reproducible (nondeterministic kernels, "
+                     "or the weights changed between the rollout and the first update)")
+        rank_zero_warn(f"The importance ratio of the first update after a rollout deviates from 1 by "
+                       f"{self.first_update_ratio_deviation:.3g} (float noise would be 0): {cause}. Logged as "
+                       "train/ratio_dev_first_update.")
 
     # ------------------------------------------------------------------ evaluation
     @contextmanager
@@ -712,11 +901,12 @@ class JAGGModule(L.LightningModule):
         index = torch.arange(batch.advantages.shape[0], device=batch.advantages.device)[:max_samples]
         mb = batch.trajectory.select(index)
         ref = None if batch.ref_velocities is None else batch.ref_velocities[:, index]
-        loss_of_step = self.step_loss_fn(mb, batch.advantages[index], ref, 1.0 / len(self.trained_steps), [])
-        return check_window_gradients(
-            self.policy.velocity, [p for _, p in self._trainable_named_parameters()], mb.latents, mb.times,
-            batch_slice(batch.cond, index), loss_of_step, self.windows,
-        )
+        loss_of_step = self.step_loss_fn(mb, batch.advantages[index], ref, 1.0 / len(self.plan.trained_steps), [])
+        with self.training_guidance():  # the rollout's condition layout
+            return check_window_gradients(
+                self.policy.velocity, [p for _, p in self._trainable_named_parameters()], mb.latents, mb.times,
+                batch_slice(batch.cond, index), loss_of_step, self.plan.windows,
+            )
 
     # ------------------------------------------------------------------ precision
     def setup(self, stage: str) -> None:

@@ -3,6 +3,11 @@
 Each sample has its own ``torch.Generator`` seeded from (seed, global step, prompt index, sample
 index); it draws the initial noise, then one step noise per sampling step, in order. A rollout is
 therefore identical whatever the micro-batch size, the batch layout or the number of processes.
+
+What a rollout trains is drawn from (seed, global step) alone, never from the rank, so every process
+makes the same choice: the start of the SDE window (:func:`sde_window_start`, Flow-GRPO-Fast's random
+start or MixGRPO's progressive shift) and the share of JAGG windows trained (:func:`choose_windows`,
+DanceGRPO's ``timestep_fraction`` at window granularity).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from torch import Tensor
 
 from jagg_lightning.batching import batch_slice
 from jagg_lightning.jagg import VelocityFn
-from jagg_lightning.sde import StepKind, sample_step, step_distribution
+from jagg_lightning.sde import LogProbConvention, StepKind, sample_step, step_distribution
 
 
 def sample_seed(*parts: int) -> int:
@@ -31,6 +36,52 @@ def sample_generators(seed: int, step: int, prompt_indices: Sequence[int], group
     return [
         torch.Generator().manual_seed(sample_seed(seed, step, p, i)) for p in prompt_indices for i in range(group_size)
     ]
+
+
+# stream tags of the per-rollout draws made from (seed, step) only; -1 is the update's shuffle
+_WINDOW_START_STREAM = -2
+_WINDOW_CHOICE_STREAM = -3
+
+
+def sde_window_start(
+    seed: int,
+    step: int,
+    window_size: int,
+    window_range: Sequence[int],
+    schedule: str = "random",
+    shift_every: int = 25,
+    stride: int = 1,
+) -> int:
+    """First step of the SDE window of the rollout at ``step``; the window is start .. start + size - 1.
+
+    ``window_range`` = (lo, hi): the window lies inside steps lo .. hi - 1, so start is in
+    [lo, hi - window_size].
+    ``"random"``: start uniform over that range, drawn from (seed, step) (Flow-GRPO-Fast).
+    ``"progressive"``: start = lo + stride * (step // shift_every), held at hi - window_size once it
+    gets there (MixGRPO's sliding window).
+    """
+    lo, hi = int(window_range[0]), int(window_range[1])
+    last = hi - window_size
+    if last < lo:
+        raise ValueError(f"window range {tuple(window_range)} cannot hold a window of {window_size} steps")
+    if schedule == "random":
+        gen = torch.Generator().manual_seed(sample_seed(seed, step, _WINDOW_START_STREAM))
+        return lo + int(torch.randint(last - lo + 1, (1,), generator=gen))
+    if schedule == "progressive":
+        return min(lo + stride * (step // shift_every), last)
+    raise ValueError(f"schedule must be 'random' or 'progressive', got {schedule!r}")
+
+
+def choose_windows(num_windows: int, fraction: float, seed: int, step: int) -> list[int]:
+    """Indices (sorted) of the windows trained at ``step``: max(1, int(fraction * num_windows)) of them,
+    drawn without replacement from (seed, step); all of them when fraction is 1."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    count = max(1, int(fraction * num_windows + 1e-9))
+    if count >= num_windows:
+        return list(range(num_windows))
+    gen = torch.Generator().manual_seed(sample_seed(seed, step, _WINDOW_CHOICE_STREAM))
+    return sorted(torch.randperm(num_windows, generator=gen)[:count].tolist())
 
 
 @dataclass
@@ -59,8 +110,11 @@ def sample_trajectories(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     on_micro_batch: Callable[[slice, Tensor], None] | None = None,
+    cps_log_prob: LogProbConvention = "squared_error",
 ) -> Trajectory:
     """Run len(generators) samples through the S = len(step_kinds) steps, micro-batch by micro-batch.
+
+    The stored log-prob of a step is 0 when the step is deterministic (ODE, or CPS into t = 0): never NaN.
 
     ``on_micro_batch(samples, final_latents)`` is called as each micro-batch finishes (e.g. to decode
     and score it while the next one samples).
@@ -91,7 +145,7 @@ def sample_trajectories(
             velocities[k, part] = v
             latents[k + 1, part] = z
             if kind != "ode":
-                log_probs[k, part] = dist.log_prob(z)
+                log_probs[k, part] = dist.log_prob(z, cps_log_prob)
         if on_micro_batch is not None:
             on_micro_batch(part, z)
     return Trajectory(latents, log_probs, velocities, times)

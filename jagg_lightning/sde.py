@@ -18,6 +18,18 @@ Three step kinds share one signature:
 
 * ``"ode"``  -- the deterministic Euler step mu_k = z_k + v_k dt, s_k = 0 (no log-prob).
 
+Log-probabilities, MEAN over latent elements (``log_prob`` conventions, see docs/parity.md):
+
+* SDE steps: the Gaussian log-density log N(z_{k+1}; mu_k, s_k^2), as Flow-GRPO computes it.
+* CPS steps: ``"squared_error"`` (default, Flow-GRPO's CPS branch) -mean((z_{k+1} - mu_k)^2), no
+  1 / (2 s^2) and no normaliser; ``"gaussian"`` the true density. The ratio under "squared_error" is
+  the Gaussian ratio raised to the power 2 s_k^2.
+* A deterministic step (ODE, or CPS at t_{k+1} = 0 where s = 0) has log-prob 0 under every
+  convention, never NaN: Flow-GRPO's CPS formula gives exactly 0 there (z_{k+1} = mu_k).
+
+``StepDistribution.sigma`` is what Flow-GRPO calls ``std_dev_t`` and divides its KL by: sigma_k for
+the SDE (without the sqrt(-dt)), s for CPS, 0 for ODE.
+
 In every kind mu is affine in v, so a per-step loss is a cheap function of the velocity alone.
 The arithmetic runs in float32 (float64 when the inputs are float64) whatever the model dtype.
 Plain torch: no Lightning here.
@@ -34,6 +46,8 @@ from torch import Tensor
 
 StepKind = Literal["sde", "cps", "ode"]
 STEP_KINDS = ("sde", "cps", "ode")
+LogProbConvention = Literal["squared_error", "gaussian"]
+CPS_LOG_PROBS = ("squared_error", "gaussian")
 
 
 def shift_sigmas(sigmas: Tensor, shift: float) -> Tensor:
@@ -73,21 +87,47 @@ def _per_sample(t: Tensor | float, like: Tensor) -> Tensor:
 
 @dataclass
 class StepDistribution:
-    """The Gaussian N(mean, std^2) of z_{k+1} given z_k; ``std`` broadcasts against ``mean``."""
+    """The Gaussian N(mean, std^2) of z_{k+1} given z_k; ``std`` and ``sigma`` broadcast against ``mean``.
+
+    ``sigma`` is Flow-GRPO's ``std_dev_t`` (sigma_k for the SDE, s for CPS, 0 for ODE); ``kind`` the
+    step kind that made it.
+    """
 
     mean: Tensor
     std: Tensor
+    sigma: Tensor | None = None
+    kind: StepKind = "sde"
 
-    def log_prob(self, sample: Tensor) -> Tensor:
-        """Gaussian log-density of ``sample``, MEAN over latent elements: shape [B]."""
+    def log_prob(self, sample: Tensor, cps_log_prob: LogProbConvention = "squared_error") -> Tensor:
+        """log pi(sample | z_k), MEAN over latent elements: shape [B]; 0 where the step is deterministic.
+
+        SDE (and ODE) steps use the Gaussian density; CPS steps ``cps_log_prob`` (module docstring).
+        """
+        if cps_log_prob not in CPS_LOG_PROBS:
+            raise ValueError(f"cps_log_prob must be one of {CPS_LOG_PROBS}, got {cps_log_prob!r}")
+        if self.kind == "cps" and cps_log_prob == "squared_error":
+            return squared_error_log_prob(sample, self.mean)
         return gaussian_log_prob(sample, self.mean, self.std)
 
 
+def squared_error_log_prob(sample: Tensor, mean: Tensor) -> Tensor:
+    """Flow-GRPO's CPS log-prob: -(sample - mean)^2 averaged over all but the batch dimension."""
+    lp = -((sample.to(mean.dtype) - mean) ** 2)
+    return lp.mean(dim=tuple(range(1, lp.ndim)))
+
+
 def gaussian_log_prob(sample: Tensor, mean: Tensor, std: Tensor) -> Tensor:
-    """log N(sample; mean, std^2) averaged over all but the batch dimension."""
+    """log N(sample; mean, std^2) averaged over all but the batch dimension; 0 for a sample whose std is 0.
+
+    The std is replaced by 1 where it is 0 before the density is formed, so neither the value nor its
+    gradient is ever NaN there.
+    """
     sample = sample.to(mean.dtype)
     std = torch.as_tensor(std, dtype=mean.dtype, device=mean.device)
-    lp = -((sample - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    stochastic = std > 0
+    safe_std = torch.where(stochastic, std, torch.ones_like(std))
+    lp = -((sample - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - 0.5 * math.log(2 * math.pi)
+    lp = torch.where(stochastic, lp, torch.zeros_like(lp))
     return lp.mean(dim=tuple(range(1, lp.ndim)))
 
 
@@ -114,13 +154,17 @@ def step_distribution(
         std = t_next * math.sin(noise_level * math.pi / 2)
         x_hat = z - t * v
         eps_hat = z + (1 - t) * v
-        mean = (1 - t_next) * x_hat + torch.sqrt(t_next**2 - std**2) * eps_hat
+        # clamp: t_next^2 - std^2 >= 0 mathematically (sin <= 1), rounding must not make it NaN
+        mean = (1 - t_next) * x_hat + torch.sqrt((t_next**2 - std**2).clamp_min(0)) * eps_hat
+        sigma = std
     elif kind == "ode":
         mean = z + v * dt
         std = torch.zeros_like(dt)
+        sigma = std
     else:
         raise ValueError(f"step kind must be one of {STEP_KINDS}, got {kind!r}")
-    return StepDistribution(mean, torch.as_tensor(std, dtype=dtype, device=z.device))
+    as_tensor = lambda x: torch.as_tensor(x, dtype=dtype, device=z.device)  # noqa: E731
+    return StepDistribution(mean, as_tensor(std), as_tensor(sigma), kind)
 
 
 def sample_step(dist: StepDistribution, noise: Tensor) -> Tensor:

@@ -15,7 +15,10 @@ def test_advantages_zero_mean_per_group_and_constant_groups_zero(rng_seed):
         torch.testing.assert_close(adv.mean(dim=1), torch.zeros(5), atol=1e-6, rtol=0)
         assert (adv[2] == 0).all()
     adv = group_advantages(rewards, adv_clip=100.0)
-    # unit std inside non-constant groups (up to eps)
+    # unit std inside non-constant groups (up to eps): ddof 0 by default (np.std, Flow-GRPO) ...
+    torch.testing.assert_close(adv[[0, 1, 3, 4]].std(dim=1, correction=0), torch.ones(4), atol=1e-3, rtol=0)
+    # ... and the unbiased std with ddof = 1
+    adv = group_advantages(rewards, adv_clip=100.0, ddof=1)
     torch.testing.assert_close(adv[[0, 1, 3, 4]].std(dim=1), torch.ones(4), atol=1e-3, rtol=0)
 
 
@@ -87,8 +90,11 @@ def test_clipped_surrogate_and_kl_gradients(rng_seed):
     ref = step_distribution(rec.z, rec.ref_velocity, rec.t, rec.t_next)
     ratio = torch.exp(dist.log_prob(rec.z_next) - rec.old_log_prob)
     pg = torch.maximum(-rec.advantage * ratio, -rec.advantage * ratio.clamp(0.8, 1.2))
-    kl = ((dist.mean - ref.mean) ** 2).mean(dim=(1, 2, 3)) / (2 * dist.std**2)
+    sigma = 0.7 * (rec.t / (1 - rec.t)) ** 0.5  # Flow-GRPO's KL divides by 2 sigma_k^2, without the -dt
+    kl = ((dist.mean - ref.mean) ** 2).mean(dim=(1, 2, 3)) / (2 * sigma**2)
     torch.testing.assert_close(loss, pg + 0.5 * kl)
+    exact_loss, _ = step_loss(v_new, rec, clip_range=0.2, kl_beta=0.5, kl_convention="exact")  # the true KL
+    torch.testing.assert_close(exact_loss, pg + 0.5 * kl * sigma**2 / dist.std**2)
     torch.testing.assert_close(stats.clipped, ((ratio - 1).abs() > 0.2).double())
     assert (kl > 0).all()
     # clipped samples (in the flat direction) have zero policy-gradient

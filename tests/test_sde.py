@@ -25,7 +25,11 @@ def test_log_prob_equals_normal_log_prob(kind, k, rng_seed):
     z, v, x = (torch.randn(3, 4, 5, 5, generator=gen, dtype=torch.float64) for _ in range(3))
     dist = step_distribution(z, v, times[k], times[k + 1], kind, 0.7)
     expected = torch.distributions.Normal(dist.mean, dist.std.expand_as(dist.mean)).log_prob(x).mean(dim=(1, 2, 3))
-    torch.testing.assert_close(dist.log_prob(x), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dist.log_prob(x, "gaussian"), expected, rtol=1e-12, atol=1e-12)
+    if kind == "sde":  # the SDE's default is the Gaussian density too (Flow-GRPO)
+        torch.testing.assert_close(dist.log_prob(x), expected, rtol=1e-12, atol=1e-12)
+    else:  # CPS default: Flow-GRPO's -mean((x - mu)^2)
+        torch.testing.assert_close(dist.log_prob(x), -((x - dist.mean) ** 2).mean(dim=(1, 2, 3)), rtol=1e-12, atol=1e-12)
 
 
 def test_sde_mean_matches_design_formula_and_t1_rule(rng_seed):

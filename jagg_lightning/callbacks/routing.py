@@ -38,14 +38,15 @@ class RoutingStats(L.Callback):
             return
         if self.routed_counts is None:
             self.routed_counts = torch.zeros(len(pl_module.trained_steps))
+        first = pl_module.trained_steps[0]  # counts are per trainable step (an SDE window range may start later)
         for w in windows:
             if w.routed:
-                self.routed_counts[list(w.steps)] += 1
+                self.routed_counts[[k - first for k in w.steps]] += 1
             if len(w.steps) > 2:
                 self.scores.append((w.score, w.routed))
         self.steps_seen += 1
         micro_batches = len(records) // len(windows)
-        exact = len(pl_module.trained_steps) * micro_batches
+        exact = len({k for w in windows for k in w.steps}) * micro_batches  # the steps this rollout trains
         made = sum(r.backwards for r in records)
         scores = torch.tensor([w.score for w in windows if len(w.steps) > 2] or [0.0])
         q10, q50, q90 = torch.quantile(scores, torch.tensor([0.1, 0.5, 0.9])).tolist()
@@ -72,7 +73,7 @@ class RoutingStats(L.Callback):
             return
         path = log_dir(trainer) / "routing.png"  # on every process (it broadcasts)
         if trainer.is_global_zero:
-            self.save_plot(path, pl_module.times[: len(pl_module.trained_steps)], trainer)
+            self.save_plot(path, pl_module.times[pl_module.trained_steps], trainer)
 
     def save_plot(self, path: Path, times: torch.Tensor, trainer: L.Trainer | None = None) -> Path:
         """Write the plot to ``path`` and, given a trainer, send it to its image-capable loggers as ``routing``."""
