@@ -82,7 +82,7 @@ class SamplingConfig:
     num_steps: int = 10
     group_size: int = 4
     noise_level: float = 0.7
-    step_kind: Literal["sde", "cps"] = "sde"
+    step_kind: Literal["sde", "sde_constant", "cps"] = "sde"
     trained_steps: int | None = None
     ode_after_trained: bool = False
     shift: float | None = None
@@ -103,7 +103,8 @@ class SamplingConfig:
         _check(self.group_size >= 2, "sampling.group_size", ">= 2 (GRPO normalises inside a group)", self.group_size)
         _check(0 < self.noise_level <= 2, "sampling.noise_level", "in (0, 2] (trained steps need a density)",
                self.noise_level)
-        _check(self.step_kind in ("sde", "cps"), "sampling.step_kind", "'sde' or 'cps'", self.step_kind)
+        _check(self.step_kind in ("sde", "sde_constant", "cps"), "sampling.step_kind", "'sde', 'sde_constant' or 'cps'",
+               self.step_kind)
         _check(self.num_trained >= 1 and self.num_trained <= self.num_steps, "sampling.trained_steps",
                f"in [1, num_steps={self.num_steps}]", self.trained_steps)
         _check(self.step_kind != "cps" or self.num_trained < self.num_steps, "sampling.trained_steps",

@@ -16,6 +16,9 @@ Three step kinds share one signature:
 
       mu_k = (1 - t_{k+1}) x_hat + sqrt(t_{k+1}^2 - s^2) eps_hat
 
+* ``"sde_constant"`` -- the same SDE with a constant coefficient sigma_k = a (DanceGRPO's ``eta``):
+  mu_k = z_k + [v_k + a^2 / (2 t_k) (z_k + (1 - t_k) v_k)] dt, s_k = a sqrt(-dt).
+
 * ``"ode"``  -- the deterministic Euler step mu_k = z_k + v_k dt, s_k = 0 (no log-prob).
 
 Log-probabilities, MEAN over latent elements (``log_prob`` conventions, see docs/parity.md):
@@ -44,8 +47,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-StepKind = Literal["sde", "cps", "ode"]
-STEP_KINDS = ("sde", "cps", "ode")
+StepKind = Literal["sde", "sde_constant", "cps", "ode"]
+STEP_KINDS = ("sde", "sde_constant", "cps", "ode")
 LogProbConvention = Literal["squared_error", "gaussian"]
 CPS_LOG_PROBS = ("squared_error", "gaussian")
 
@@ -144,10 +147,13 @@ def step_distribution(
     z, v = z.to(dtype), v.to(dtype)
     t, t_next = _per_sample(t, z), _per_sample(t_next, z)
     dt = t_next - t
-    if kind == "sde":
-        # Flow-GRPO: at t = 1 the (1 - t) denominator takes the next time instead.
-        denominator_t = torch.where(t >= 1, t_next, t)
-        sigma = noise_level * torch.sqrt(t / (1 - denominator_t))
+    if kind in ("sde", "sde_constant"):
+        if kind == "sde":
+            # Flow-GRPO: at t = 1 the (1 - t) denominator takes the next time instead.
+            denominator_t = torch.where(t >= 1, t_next, t)
+            sigma = noise_level * torch.sqrt(t / (1 - denominator_t))
+        else:
+            sigma = torch.full_like(t, noise_level)
         mean = z + (v + sigma**2 / (2 * t) * (z + (1 - t) * v)) * dt
         std = sigma * torch.sqrt(-dt)
     elif kind == "cps":

@@ -155,3 +155,31 @@ def test_no_nan_in_trajectories_for_any_step_kind(kinds, cps_log_prob, rng_seed)
         if deterministic:
             dt = traj.times[k + 1] - traj.times[k]
             torch.testing.assert_close(traj.latents[k + 1], traj.latents[k] + traj.velocities[k] * dt, rtol=1e-12, atol=1e-12)
+
+
+def dance_grpo_step(sigmas, i, z, v, x, eta):
+    """DanceGRPO's flux_step with its SDE solver, re-derived: (mean, log_prob as it computes it)."""
+    sigma, dsigma = sigmas[i], sigmas[i + 1] - sigmas[i]
+    x0 = z - sigma * v
+    score = -(z - x0 * (1 - sigma)) / sigma**2
+    mean = z + dsigma * v + (-0.5 * eta**2 * score) * dsigma
+    std = eta * torch.sqrt(sigmas[i] - sigmas[i + 1])
+    return mean, (-((x - mean) ** 2) / (2 * std**2)).mean(dim=DIMS)  # its normaliser terms are discarded
+
+
+@pytest.mark.parametrize("i", [0, 4])
+def test_constant_sde_is_dance_grpo_with_the_same_ratio(i, rng_seed):
+    gen = torch.Generator().manual_seed(rng_seed)
+    eta, steps = 0.3, 8
+    base = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
+    sigmas = 3 * base / (1 + 2 * base)  # DanceGRPO's sd3_time_shift(3, linspace(1, 0, T + 1))
+    z, v_old, dv, _ = random_case(gen)
+    old = step_distribution(z, v_old, sigmas[i], sigmas[i + 1], "sde_constant", eta)
+    x = sample_step(old, torch.randn(z.shape, generator=gen, dtype=torch.float64))
+    mean_old, lp_old = dance_grpo_step(sigmas, i, z, v_old, x, eta)
+    torch.testing.assert_close(old.mean, mean_old, rtol=1e-12, atol=1e-12)
+    assert abs(float(old.std) - eta * float(sigmas[i] - sigmas[i + 1]) ** 0.5) < 1e-14
+    rec = StepRecord(z, x, float(sigmas[i]), float(sigmas[i + 1]), old.log_prob(x), torch.ones(4, dtype=torch.float64))
+    _, stats = step_loss(v_old + dv, rec, "sde_constant", eta, clip_range=10.0)
+    _, lp_new = dance_grpo_step(sigmas, i, z, v_old + dv, x, eta)
+    torch.testing.assert_close(stats.ratio, torch.exp(lp_new - lp_old), rtol=1e-10, atol=1e-14)
