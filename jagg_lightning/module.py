@@ -98,7 +98,8 @@ class SamplingConfig:
     train_guidance_scale: float | None = None
 
     def __post_init__(self):
-        _check_ints(self, "sampling", "num_steps", "group_size", "rollout_batch_size", "trained_steps", "seed")
+        _check_ints(self, "sampling", "num_steps", "group_size", "rollout_batch_size", "trained_steps", "seed",
+                    "sde_window_size", "sde_window_shift_every", "sde_window_stride")
         _check(self.num_steps >= 2, "sampling.num_steps", ">= 2", self.num_steps)
         _check(self.group_size >= 2, "sampling.group_size", ">= 2 (GRPO normalises inside a group)", self.group_size)
         _check(0 < self.noise_level <= 2, "sampling.noise_level", "in (0, 2] (trained steps need a density)",
@@ -129,9 +130,11 @@ class SamplingConfig:
         if self.sde_window_range is None:
             self.sde_window_range = [0, self.num_steps - 1]
         last = self.num_steps - 1 if self.step_kind == "cps" else self.num_steps
-        ok = len(self.sde_window_range) == 2 and 0 <= self.sde_window_range[0]
+        ok = len(self.sde_window_range) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                      for x in self.sde_window_range)
+        ok = ok and 0 <= self.sde_window_range[0]
         ok = ok and self.sde_window_range[1] <= last and self.sde_window_range[1] - self.sde_window_range[0] >= self.sde_window_size
-        _check(ok, "sampling.sde_window_range", f"[lo, hi] with 0 <= lo, hi <= {last} (num_steps"
+        _check(ok, "sampling.sde_window_range", f"[lo, hi] (integers) with 0 <= lo, hi <= {last} (num_steps"
                f"{' - 1: a CPS step into t = 0 is deterministic' if self.step_kind == 'cps' else ''}) and "
                f"hi - lo >= sde_window_size={self.sde_window_size}", self.sde_window_range)
         _check(self.sde_window_schedule in ("random", "progressive"), "sampling.sde_window_schedule",
@@ -179,7 +182,7 @@ class GRPOConfig:
     skip_zero_advantage: bool = True
 
     def __post_init__(self):
-        _check_ints(self, "grpo", "inner_epochs", "train_batch_size", "micro_batches_per_update")
+        _check_ints(self, "grpo", "inner_epochs", "train_batch_size", "micro_batches_per_update", "std_ddof")
         _check(self.clip_range > 0, "grpo.clip_range", "> 0", self.clip_range)
         _check(self.kl_beta >= 0, "grpo.kl_beta", ">= 0", self.kl_beta)
         _check(self.adv_clip > 0, "grpo.adv_clip", "> 0", self.adv_clip)
