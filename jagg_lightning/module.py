@@ -749,35 +749,34 @@ class JAGGModule(L.LightningModule):
 
 
     def _check_first_update_ratio(self) -> None:
-        """Warn (once) when the first update's ratio is not 1 up to the rounding of the ratio itself.
+        """Warn (once) when the first update's ratio deviates from 1 by more than float noise.
 
         On the first update theta = theta_old, so every log-prob is recomputed from the same weights on
-        the same inputs: rho is exactly 1 unless the forward rounds differently than in the rollout.
-        The tolerance is a quarter of the dtype's machine epsilon: the gap between 1 and its neighbours
-        is eps / 2 below and eps above, so any nonzero deviation of rho exceeds it.
+        the same inputs, and rho differs from 1 only where the forward rounds differently than in the
+        rollout: samples at other batch positions, JAGG's two anchors in one forward, a last micro-batch
+        shrunk by the zero-advantage skip -- noise of a few ulps of 1 (4 eps of the SDE dtype is the
+        bound). A ``train_batch_size`` other than ``rollout_batch_size`` is the systematic, fixable cause
+        Flow-GRPO's README warns of: in float32 any deviation is then reported.
         """
-        tolerance = torch.finfo(self._sde_dtype).eps / 4
+        s, g = self.sampling, self.grpo
+        other_shape = g.train_batch_size != s.rollout_batch_size
+        strict = other_shape and self._sde_dtype == torch.float32
+        tolerance = 0.0 if strict else 4 * torch.finfo(self._sde_dtype).eps
         self.first_update_ratio_off = self.first_update_ratio_deviation > tolerance
         if not self.first_update_ratio_off or self._ratio_warned:
             return
         self._ratio_warned = True
-        s, g = self.sampling, self.grpo
-        if g.train_batch_size != s.rollout_batch_size or self.skipped_samples:
+        if other_shape:
             cause = (f"grpo.train_batch_size ({g.train_batch_size}) differs from sampling.rollout_batch_size "
-                     f"({s.rollout_batch_size}){' (or zero-advantage samples were skipped, which shrinks micro-batches)' if self.skipped_samples else ''}: "
-                     "in float32 the transformer's kernels round differently for another batch shape, so the "
-                     "recomputed log-probs differ from the rollout's (Flow-GRPO's README warns of the same). Set "
-                     "both to the same value, or train in float64, to get rho = 1 exactly")
-        elif any(w.routed for w in self.plan.windows) and not self.jagg.low_memory:
-            cause = ("JAGG batches the two anchors of a window into one forward of 2 x grpo.train_batch_size samples, "
-                     "a batch shape the rollout never used, and float32 kernels round by shape; jagg.low_memory: true "
-                     "keeps the rollout's shape")
+                     f"({s.rollout_batch_size}): in float32 the transformer's kernels round differently for another "
+                     "batch shape, so the recomputed log-probs differ from the rollout's (Flow-GRPO's README warns of "
+                     "the same). Set both to the same value, or train in float64, for rho = 1 to float noise")
         else:
-            cause = ("the batch shapes match, so the forward itself is not reproducible (nondeterministic kernels, "
-                     "or the weights changed between the rollout and the first update)")
+            cause = (f"that is beyond float noise ({tolerance:.3g}) with matching batch sizes, so the forward itself is "
+                     "not reproducible (nondeterministic kernels), or the weights changed between the rollout and the "
+                     "first update")
         rank_zero_warn(f"The importance ratio of the first update after a rollout deviates from 1 by "
-                       f"{self.first_update_ratio_deviation:.3g} (float noise would be 0): {cause}. Logged as "
-                       "train/ratio_dev_first_update.")
+                       f"{self.first_update_ratio_deviation:.3g}: {cause}. Logged as train/ratio_dev_first_update.")
 
     # ------------------------------------------------------------------ evaluation
     @contextmanager
