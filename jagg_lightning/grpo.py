@@ -117,6 +117,8 @@ class StepLossStats:
     ratio: Tensor
     approx_kl: Tensor
     clipped: Tensor
+    log_ratio: Tensor | None = None  # log pi_theta - log pi_old
+    old_log_prob: Tensor | None = None
 
 
 def step_loss(
@@ -155,5 +157,7 @@ def step_loss(
         ratio=ratio.detach(),
         approx_kl=(0.5 * log_ratio**2).detach(),
         clipped=((ratio - 1.0).abs() > clip_range).detach().to(log_prob.dtype),
+        log_ratio=log_ratio.detach(),
+        old_log_prob=record.old_log_prob.detach().to(log_prob.dtype),
     )
     return loss, stats

@@ -417,7 +417,7 @@ class JAGGModule(L.LightningModule):
         self.skipped_samples = 0  # zero-advantage samples given no pass in the last training step
         self._ratio_warned = False
         self.window_records: list[WindowRecord] = []  # of the last training step, all micro-batches
-        self.first_update_ratio_deviation = float("nan")  # max |rho - 1| in the first update of the last step
+        self.first_update_ratio_deviation = float("nan")  # max |log rho| in the first update of the last step
         self.first_update_ratio_off = False  # that deviation exceeds float noise (a warning was raised)
         self.last_rollout: RolloutBatch | None = None
         self._eval_sums: dict[str, Tensor] = {}  # component -> [sum, count] over this process's eval samples
@@ -707,9 +707,9 @@ class JAGGModule(L.LightningModule):
 
         self.window_records = records
         self.last_rollout = RolloutBatch(traj, cond, advantages, ref_v)
-        self.first_update_ratio_deviation = max((float((st.ratio - 1).abs().max()) for _, st in first_update_stats),
+        self.first_update_ratio_deviation = max((float(st.log_ratio.abs().max()) for _, st in first_update_stats),
                                                 default=0.0)
-        self._check_first_update_ratio()
+        self._check_first_update_ratio(first_update_stats)
         micro_batches = self.grpo.inner_epochs * len(micro)
         self._log_step(rewards, stats + first_update_stats, records, micro_batches)
         # every component under its own name, a single reward too (as well as train/reward_mean)
@@ -748,21 +748,25 @@ class JAGGModule(L.LightningModule):
         self.log("reward", rewards.mean().float(), prog_bar=True, batch_size=rewards.shape[0], logger=False)
 
 
-    def _check_first_update_ratio(self) -> None:
+    def _check_first_update_ratio(self, first_update_stats: list) -> None:
         """Warn (once) when the first update's ratio deviates from 1 by more than float noise.
 
         On the first update theta = theta_old, so every log-prob is recomputed from the same weights on
-        the same inputs, and rho differs from 1 only where the forward rounds differently than in the
+        the same inputs, and log rho differs from 0 only where the forward rounds differently than in the
         rollout: samples at other batch positions, JAGG's two anchors in one forward, a last micro-batch
-        shrunk by the zero-advantage skip -- noise of a few ulps of 1 (4 eps of the SDE dtype is the
-        bound). A ``train_batch_size`` other than ``rollout_batch_size`` is the systematic, fixable cause
-        Flow-GRPO's README warns of: in float32 any deviation is then reported.
+        shrunk by the zero-advantage skip. That noise is a few ulps of the log-prob: the bound is
+        4 eps (1 + |log pi_old|) per sample (eps of the SDE dtype). A ``train_batch_size`` other than
+        ``rollout_batch_size`` is the systematic, fixable cause Flow-GRPO's README warns of: in float32
+        any deviation is then reported. Deviations are measured on log rho (exp would round a drift
+        below eps / 2 to exactly 1).
         """
         s, g = self.sampling, self.grpo
         other_shape = g.train_batch_size != s.rollout_batch_size
         strict = other_shape and self._sde_dtype == torch.float32
-        tolerance = 0.0 if strict else 4 * torch.finfo(self._sde_dtype).eps
-        self.first_update_ratio_off = self.first_update_ratio_deviation > tolerance
+        eps = torch.finfo(self._sde_dtype).eps
+        tolerance = 0.0 if strict else 4 * eps
+        self.first_update_ratio_off = any(
+            bool((st.log_ratio.abs() > tolerance * (1 + st.old_log_prob.abs())).any()) for _, st in first_update_stats)
         if not self.first_update_ratio_off or self._ratio_warned:
             return
         self._ratio_warned = True
@@ -772,11 +776,11 @@ class JAGGModule(L.LightningModule):
                      "batch shape, so the recomputed log-probs differ from the rollout's (Flow-GRPO's README warns of "
                      "the same). Set both to the same value, or train in float64, for rho = 1 to float noise")
         else:
-            cause = (f"that is beyond float noise ({tolerance:.3g}) with matching batch sizes, so the forward itself is "
+            cause = ("that is beyond float noise (4 eps (1 + |log pi_old|)) with matching batch sizes, so the forward itself is "
                      "not reproducible (nondeterministic kernels), or the weights changed between the rollout and the "
                      "first update")
-        rank_zero_warn(f"The importance ratio of the first update after a rollout deviates from 1 by "
-                       f"{self.first_update_ratio_deviation:.3g}: {cause}. Logged as train/ratio_dev_first_update.")
+        rank_zero_warn(f"The importance ratio of the first update after a rollout deviates from 1 (max |log rho| "
+                       f"{self.first_update_ratio_deviation:.3g}): {cause}. Logged as train/ratio_dev_first_update.")
 
     # ------------------------------------------------------------------ evaluation
     @contextmanager

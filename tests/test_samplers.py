@@ -153,7 +153,7 @@ def test_cfg_free_training_makes_one_forward_per_step_and_evaluation_keeps_guida
         trainer = fit(module, 1)
     # rollout and training micro-batches of 3: only reordering noise (a few ulps), no warning
     assert not [w for w in caught if "importance ratio" in str(w.message)]
-    assert module.first_update_ratio_deviation <= 4 * torch.finfo(torch.float32).eps and not module.first_update_ratio_off
+    assert module.first_update_ratio_deviation < 1e-5 and not module.first_update_ratio_off
     assert float(trainer.callback_metrics["train/ratio_first_update_off"]) == 0.0
     # one forward per sampling step and micro-batch, one row per sample: no unconditional branch
     assert seen == {"calls": steps * micro, "rows": steps * samples, "scale": 1.0}
