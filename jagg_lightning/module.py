@@ -637,8 +637,8 @@ class JAGGModule(L.LightningModule):
         """The micro-batches of one update without the samples whose advantage is exactly 0, repacked into
         micro-batches of ``train_batch_size`` (when kl_beta = 0 they contribute nothing, so the update,
         which keeps its full-size normalisation, is the same). Every process makes as many micro-batches as
-        the process with the most -- a short one pads with single zero-advantage samples (zero gradient) --
-        so the passes, and any collective inside them (FSDP's all-gathers), stay matched."""
+        the process with the most under a sharded strategy -- a short one pads with single zero-advantage
+        samples (zero gradient) -- so the collectives inside the passes (FSDP's all-gathers) stay matched."""
         if not self.grpo.skip_zero_advantage or self.grpo.kl_beta > 0:
             return group
         index = torch.cat(group)
@@ -646,7 +646,9 @@ class JAGGModule(L.LightningModule):
         keep, zero = index[nonzero], index[~nonzero]
         kept = list(keep.split(self.grpo.train_batch_size)) if len(keep) else []
         count = torch.tensor(len(kept), device=self.device)
-        if self._trainer is not None and self.trainer.world_size > 1:
+        # DDP backward stays local (one gradient all-reduce per update, zeros for a rank without passes);
+        # a sharded model (FSDP2) gathers its weights inside every pass, so there the counts must match
+        if self._trainer is not None and self.trainer.world_size > 1 and self._ddp_model() is None:
             count = self.all_gather(count).max()
         padding = int(count) - len(kept)
         kept += [zero[i : i + 1] for i in range(padding)]
