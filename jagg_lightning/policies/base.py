@@ -56,6 +56,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+# The joint-attention projections of both streams (image and text) of an MM-DiT block: Flow-GRPO's SD3
+# targets, and the attention part of the Qwen-Image targets.
+JOINT_ATTENTION_LORA_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+]
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 

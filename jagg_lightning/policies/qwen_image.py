@@ -31,19 +31,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from jagg_lightning.policies.base import Policy
+from jagg_lightning.policies.base import JOINT_ATTENTION_LORA_TARGETS, Policy
 
 # LoRA on the joint attention of both streams and on both streams' MLPs: the target set of the Flow-GRPO
 # Qwen-Image recipes (verl's flowgrpo_trainer Qwen-Image example: r 64 / alpha 128 on these modules).
-QWEN_IMAGE_LORA_TARGETS = [
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
+QWEN_IMAGE_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS + [
     "img_mlp.net.0.proj",
     "img_mlp.net.2",
     "txt_mlp.net.0.proj",

@@ -19,20 +19,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from jagg_lightning.policies.base import Policy, PolicyConfig
+from jagg_lightning.policies.base import JOINT_ATTENTION_LORA_TARGETS, Policy, PolicyConfig
 from jagg_lightning.policies.tiny import tiny_clip_tokenizer
 
 # Flow-GRPO's SD3 LoRA targets: the joint-attention projections of both streams.
-SD3_LORA_TARGETS = [
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-]
+SD3_LORA_TARGETS = list(JOINT_ATTENTION_LORA_TARGETS)
 
 
 def tiny_zero_t5(d_model: int):
