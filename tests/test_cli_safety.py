@@ -300,7 +300,15 @@ DDP_VALIDATE = textwrap.dedent('''
     from test_cli_safety import eval_module, eval_data
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False,
                         enable_model_summary=False)
-    metrics = trainer.validate(eval_module(int(sys.argv[2])), eval_data(), verbose=False)[0]
+    module = eval_module(int(sys.argv[2]))
+    seen, score = [], module.score
+    def recording_score(images, prompts):  # what this process scored, sample by sample
+        total, components = score(images, prompts)
+        seen.extend(zip(prompts, total.double().tolist()))
+        return total, components
+    module.score = recording_score
+    metrics = trainer.validate(module, eval_data(), verbose=False)[0]
+    open(f"{sys.argv[1]}/scores_{trainer.global_rank}.json", "w").write(json.dumps(seen))
     if trainer.is_global_zero:
         open(sys.argv[1] + "/metrics.json", "w").write(json.dumps(metrics))
 ''')
@@ -331,5 +339,14 @@ def test_validation_mean_is_over_every_sample_of_every_process(tmp_path, rng_see
     module = eval_module(seed)  # the same 6 images by hand, scored once each
     images = module.generate(["a cat", "a dog", "a tree"], [0, 1, 2])
     expected = module.reward_fn(images, [p for p in ["a cat", "a dog", "a tree"] for _ in range(2)]).double().mean()
-    assert ddp["val/reward_mean"] == pytest.approx(float(expected), rel=1e-5)
-    assert ddp["val/reward/jpeg_compressibility"] == pytest.approx(float(expected), rel=1e-5)
+    # Aggregation, exactly: the logged mean is the mean over the samples every process scored (4 + 2).
+    ranks = [json.loads((tmp_path / f"scores_{r}.json").read_text()) for r in (0, 1)]
+    assert sorted(len(r) for r in ranks) == [2, 4]
+    seen = [x for r in ranks for x in r]
+    assert sorted(p for p, _ in seen) == sorted(p for p in ["a cat", "a dog", "a tree"] for _ in range(2))
+    mean = sum(v for _, v in seen) / len(seen)
+    assert ddp["val/reward_mean"] == pytest.approx(mean, rel=1e-6)
+    assert ddp["val/reward/jpeg_compressibility"] == pytest.approx(mean, rel=1e-6)
+    # Generation: the same images as one process makes. JPEG sizes are whole bytes, and an ulp of difference
+    # in a pixel (another batch layout) can move one image by a byte: 1e-3 kB over 6 images.
+    assert ddp["val/reward_mean"] == pytest.approx(float(expected), abs=2e-3)
