@@ -133,8 +133,9 @@ def test_sampler_fields_are_checked(build_config, field):
 
 # ---------------------------------------------------------------------------------------------- CFG-free
 def test_cfg_free_training_makes_one_forward_per_step_and_evaluation_keeps_guidance(rng_seed):
-    module = build(rng_seed % 10_000, dict(train_guidance_scale=1.0), evaluation=EvalConfig(num_steps=2, guidance_scale=3.0),
-                   guidance_scale=4.5)
+    # skip off: JPEG sizes are whole bytes, so a group of 3 tiny images can tie and be skipped (fewer rows)
+    module = build(rng_seed % 10_000, dict(train_guidance_scale=1.0), grpo=dict(skip_zero_advantage=False),
+                   evaluation=EvalConfig(num_steps=2, guidance_scale=3.0), guidance_scale=4.5)
     counter = RowCounter(module.policy.transformer)
     steps, samples, micro = 6, 6, 2  # 2 prompts x 3 samples, rollout micro-batches of 3
     rollout = module.rollout_and_score
