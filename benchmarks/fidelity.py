@@ -81,8 +81,8 @@ def gradient_fidelity(module, prompts: list[str], indices: list[int], step: int,
                     rows.append({
                         "train_step": step, "group": g, "W": W, "chained": chained, "steps": list(w.steps),
                         "cosine": c.cosine, "rel_error": c.rel_error,
-                        "residual": interpolation_residual(mb.velocities, mb.times, w.steps),
-                        "cosine_rule": cosine_score(mb.velocities, mb.times, w.steps),
+                        "residual": float(interpolation_residual(mb.velocities, mb.times, w.steps)),
+                        "cosine_rule": float(cosine_score(mb.velocities, mb.times, w.steps)),
                     })
     return rows
 

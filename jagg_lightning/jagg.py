@@ -64,6 +64,7 @@ class WindowRecord:
     nograd_forwards: int = 0
     backwards: int = 0
     cached_steps: int = 0  # interior steps whose velocity came from the rollout cache
+    fused_steps: int = 0  # pass steps whose forward with grad was the rollout's own (fused mode): no extra forward
 
 
 def plan_windows(steps: Sequence[int], window_size: int, chained: bool = False) -> list[Window]:
@@ -97,53 +98,54 @@ def alphas(times: Tensor, steps: Sequence[int]) -> Tensor:
 
 
 def composite_gradients(g: Sequence[Tensor], alpha: Tensor) -> tuple[Tensor, Tensor]:
-    """G_a = sum_k (1 - alpha_k) g_k and G_b = sum_k alpha_k g_k."""
-    g_a = sum((1 - float(al)) * gk for gk, al in zip(g, alpha))
-    g_b = sum(float(al) * gk for gk, al in zip(g, alpha))
+    """G_a = sum_k (1 - alpha_k) g_k and G_b = sum_k alpha_k g_k (alpha stays a tensor: no host read)."""
+    g_a = sum((1 - al).to(gk.dtype) * gk for gk, al in zip(g, alpha))
+    g_b = sum(al.to(gk.dtype) * gk for gk, al in zip(g, alpha))
     return g_a, g_b
 
 
-def interpolation_residual(velocities: Tensor, times: Tensor, steps: Sequence[int]) -> float:
+def interpolation_residual(velocities: Tensor, times: Tensor, steps: Sequence[int]) -> Tensor:
     """Routing score of a window: mean over interior k and samples of ||v_k - lerp_t(v_a, v_b)|| / ||v_k||.
 
     ``velocities`` are the rollout's recorded velocities [S, B, ...] (no extra pass); 0 for W = 2.
+    A 0-d float64 tensor on the velocities' device (no host read).
     """
     steps = list(steps)
     if len(steps) <= 2:
-        return 0.0
+        return velocities.new_zeros((), dtype=torch.float64)
     alpha = alphas(times, steps)
     v = velocities[steps].to(torch.float64).flatten(2)  # [W, B, D]
     interp = (1 - alpha)[:, None, None] * v[0] + alpha[:, None, None] * v[-1]
     residual = (v - interp).norm(dim=-1) / v.norm(dim=-1).clamp_min(1e-12)
-    return float(residual[1:-1].mean())
+    return residual[1:-1].mean()
 
 
-def cosine_score(velocities: Tensor, times: Tensor, steps: Sequence[int]) -> float:
+def cosine_score(velocities: Tensor, times: Tensor, steps: Sequence[int]) -> Tensor:
     """The published routing rule's score: 1 - mean over interior k and samples of cos(v_k - v_a, v_b - v_a).
 
     Each cosine is between the flattened per-sample vectors v_k - v_a and v_b - v_a (the recorded
     velocities after guidance); 1 when v_k moves along the chord from v_a to v_b (whatever the pace),
     so the score is in [0, 2], 0 for W = 2 and lower is more linear. ``times`` is unused: the angle
-    does not depend on alpha_k.
+    does not depend on alpha_k. A 0-d float64 tensor (no host read).
     """
     steps = list(steps)
     if len(steps) <= 2:
-        return 0.0
+        return velocities.new_zeros((), dtype=torch.float64)
     v = velocities[steps].to(torch.float64).flatten(2)  # [W, B, D]
     chord = v[-1] - v[0]
     offset = v[1:-1] - v[0]
     cos = (offset * chord).sum(-1) / (offset.norm(dim=-1) * chord.norm(dim=-1)).clamp_min(1e-300)
-    return float(1.0 - cos.mean())
+    return 1.0 - cos.mean()
 
 
-ROUTING_SCORES: dict[str, Callable[[Tensor, Tensor, Sequence[int]], float]] = {
+ROUTING_SCORES: dict[str, Callable[[Tensor, Tensor, Sequence[int]], Tensor]] = {
     "residual": interpolation_residual,
     "cosine": cosine_score,
 }
 
 
-def routing_score(rule: str, velocities: Tensor, times: Tensor, steps: Sequence[int]) -> float:
-    """The score of ``rule`` (``residual`` or ``cosine``) for one window; lower is more linear."""
+def routing_score(rule: str, velocities: Tensor, times: Tensor, steps: Sequence[int]) -> Tensor:
+    """The score of ``rule`` (``residual`` or ``cosine``) for one window (0-d tensor); lower is more linear."""
     if rule not in ROUTING_SCORES:
         raise ValueError(f"jagg.routing must be one of {sorted(ROUTING_SCORES)}, got {rule!r}")
     return ROUTING_SCORES[rule](velocities, times, steps)
@@ -196,16 +198,19 @@ class _Engine:
     def add_upstream(self, k: int, g: Tensor) -> None:
         self.upstream[k] = g if k not in self.upstream else self.upstream[k] + g
 
+    def objective(self, k: int, v_k: Tensor) -> Tensor:
+        """<v_k, U_k> with U_k = g_k + the folded interior contributions (held fixed)."""
+        with torch.enable_grad():
+            u = self.own_gradient(k, v_k) + self.upstream.pop(k, 0)
+            return (v_k.to(u.dtype) * u).sum()
+
     def grad_pass(self, steps: Sequence[int]) -> None:
         """One forward with grad over ``steps`` batched, then ONE backward of sum_k <v_k, U_k>."""
         z = torch.cat([self.latents[k] for k in steps])
         t = torch.cat([self.time_batch(k) for k in steps])
         with torch.enable_grad():
             v = self.velocity_fn(z, t, batch_concat([self.cond] * len(steps)))
-            total = 0
-            for k, v_k in zip(steps, v.chunk(len(steps))):
-                u = self.own_gradient(k, v_k) + self.upstream.pop(k, 0)
-                total = total + (v_k.to(u.dtype) * u).sum()
+            total = sum(self.objective(k, v_k) for k, v_k in zip(steps, v.chunk(len(steps))))
         self.backward(total)
 
 
@@ -219,6 +224,7 @@ def accumulate_gradients(
     cached_velocities: Tensor | None = None,
     low_memory: bool = False,
     backward: Callable[[Tensor], None] | None = None,
+    graphs: dict[int, Tensor] | None = None,
 ) -> list[WindowRecord]:
     """Accumulate d(sum_k step_loss(k, v_k))/dtheta into ``.grad`` over all ``windows``.
 
@@ -229,6 +235,11 @@ def accumulate_gradients(
 
     ``latents`` is [S + 1, B, ...] (z_0 .. z_S), ``times`` [S + 1]; ``cond`` is batch-first for B
     samples. ``backward`` defaults to ``Tensor.backward`` (Lightning passes ``manual_backward``).
+
+    ``graphs`` (the fused on-policy mode): velocities WITH their autograd graph, kept by the rollout
+    for some steps (theta = theta_old, so they equal a fresh forward). A pass step found there needs no
+    forward; all of them share ONE backward, after the other passes. Unused entries (interior steps of a
+    window that was routed) are simply dropped by the caller.
     Returns one :class:`WindowRecord` per window with the passes it actually made.
     """
     engine = _Engine(velocity_fn, latents, times, cond, step_loss, backward or Tensor.backward)
@@ -255,9 +266,19 @@ def accumulate_gradients(
         engine.add_upstream(b, g_b)
 
     # 2. Backward passes; a step shared by chained windows is done once, by the first window.
+    graphs = graphs or {}
     done: set[int] = set()
+    fused_total, fused_owner = None, None
     for w, rec in zip(windows, records):
         todo = [k for k in (w.anchors if w.routed else w.steps) if k not in done]
+        done.update(todo)
+        for k in [k for k in todo if k in graphs]:  # the rollout's own forward: fold into the joint backward
+            term = engine.objective(k, graphs[k])
+            with torch.enable_grad():  # the caller may be the (no-grad) rollout
+                fused_total = term if fused_total is None else fused_total + term
+            fused_owner = fused_owner or rec
+            rec.fused_steps += 1
+        todo = [k for k in todo if k not in graphs]
         if w.routed and len(todo) > 1 and not low_memory:
             passes = [todo]
         else:
@@ -266,7 +287,9 @@ def accumulate_gradients(
             engine.grad_pass(steps)
             rec.grad_forwards += 1
             rec.backwards += 1
-        done.update(todo)
+    if fused_total is not None:
+        engine.backward(fused_total)
+        fused_owner.backwards += 1
     return records
 
 

@@ -28,6 +28,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
@@ -204,7 +205,18 @@ class JAGGConfig:
     ``jagg_frac`` share with the smallest ``routing`` score use JAGG (``residual``: the
     velocity-interpolation residual; ``cosine``: 1 - cos(v_k - v_a, v_b - v_a), the published rule; a
     window above ``score_limit`` stays exact); ``low_memory`` runs the two anchors as two passes;
-    ``cache_interior`` reuses the rollout's velocities for interior steps while theta = theta_old."""
+    ``cache_interior`` reuses the rollout's velocities for interior steps while theta = theta_old.
+
+    ``fused_rollout`` (on-policy fused mode, docs/method.md §7): the rollout runs every step that will get a
+    backward WITH grad and keeps its graph; as each rollout micro-batch ends it is decoded, scored, its
+    groups' advantages taken, its windows routed (on its own velocities), and ONE backward runs over the
+    kept graphs -- no forward is repeated. Needs one optimizer step per rollout and whole groups per
+    rollout micro-batch. ``fused_exact_interior``: also keep the interior steps of windows that may stay
+    exact (else those are re-run after the micro-batch, as unfused). ``fused_samples``: keep graphs for
+    only that many samples of each rollout micro-batch (the rest are updated unfused): the memory knob.
+    ``memory_budget_mb``: the activation memory one gradient pass may use; the update then picks batched
+    or split anchor passes and how many samples share a pass (measured per sample, see
+    :meth:`JAGGModule.samples_per_pass`), instead of ``low_memory`` alone."""
 
     window_size: int = 4
     jagg_frac: float = 0.5
@@ -213,6 +225,10 @@ class JAGGConfig:
     low_memory: bool = False
     cache_interior: bool = True
     routing: Literal["residual", "cosine"] = "residual"
+    fused_rollout: bool = False
+    fused_exact_interior: bool = True
+    fused_samples: int | None = None
+    memory_budget_mb: float | None = None
 
     def __post_init__(self):
         _check_ints(self, "jagg", "window_size")
@@ -220,6 +236,11 @@ class JAGGConfig:
         _check(0.0 <= self.jagg_frac <= 1.0, "jagg.jagg_frac", "in [0, 1]", self.jagg_frac)
         _check(self.score_limit is None or self.score_limit >= 0, "jagg.score_limit", ">= 0 or null", self.score_limit)
         _check(self.routing in ROUTING_SCORES, "jagg.routing", " or ".join(map(repr, ROUTING_SCORES)), self.routing)
+        _check_ints(self, "jagg", "fused_samples")
+        _check(self.fused_samples is None or self.fused_samples >= 1, "jagg.fused_samples", ">= 1 or null",
+               self.fused_samples)
+        _check(self.memory_budget_mb is None or self.memory_budget_mb > 0, "jagg.memory_budget_mb", "> 0 or null",
+               self.memory_budget_mb)
 
 
 @dataclass
@@ -383,6 +404,8 @@ class JAGGModule(L.LightningModule):
         trained_name = "sampling.sde_window_size" if self.sampling.sde_window_size is not None else "sampling.trained_steps"
         _check(self.jagg.window_size <= self.sampling.num_trained, "jagg.window_size",
                f"<= {trained_name} ({self.sampling.num_trained})", self.jagg.window_size)
+        if self.jagg.fused_rollout:
+            self.check_fused()
         optimizer = _rebuild_callable("optimizer", optimizer) or default_optimizer
         lr_scheduler = _rebuild_callable("lr_scheduler", lr_scheduler)
         self.optimizer_factory, self.lr_scheduler_factory = optimizer, lr_scheduler
@@ -509,19 +532,38 @@ class JAGGModule(L.LightningModule):
     # ------------------------------------------------------------------ rollout
     @torch.no_grad()
     def rollout(self, prompts: list[str], prompt_indices: list[int], step: int,
-                on_micro_batch=None, step_kinds: list[str] | None = None) -> tuple[Trajectory, tuple]:
+                on_micro_batch=None, step_kinds: list[str] | None = None, reference_steps: list[int] = (),
+                cond: tuple | None = None, **graph_options) -> tuple[Trajectory, tuple]:
         """K samples per prompt (prompt-major): the trajectory and the per-sample condition.
 
-        ``step_kinds`` default: those of :meth:`plan_rollout` at ``step``."""
+        ``step_kinds`` default: those of :meth:`plan_rollout` at ``step``. With kl_beta > 0 the reference
+        velocity (adapter off) of every ``reference_steps`` step is taken inside the rollout, on the same
+        z and t (``traj.ref_velocities``). ``cond``: :meth:`encode` of the prompts, if already made.
+        ``graph_options``: the fused mode's ``grad_steps``, ``grad_samples`` and ``on_graph``
+        (:func:`sample_trajectories`)."""
         K = self.sampling.group_size
-        cond = tuple(c.repeat_interleave(K, dim=0) for c in self.policy.encode_prompts(prompts))
+        cond = self.encode(prompts) if cond is None else cond
         traj = sample_trajectories(
             self.policy.velocity, cond, sample_generators(self.sampling.seed, step, prompt_indices, K),
             self.policy.latent_shape, self.times, step_kinds or self.plan_rollout(step).step_kinds,
             self.sampling.noise_level, self.sampling.rollout_batch_size, self.device, self._sde_dtype,
             on_micro_batch, self.sampling.cps_log_prob,
+            reference_fn=self.reference_velocity if self.grpo.kl_beta > 0 and reference_steps else None,
+            reference_steps=set(reference_steps), **graph_options,
         )
         return traj, cond
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> tuple:
+        """The per-sample condition of a rollout: each prompt's embeddings repeated K times (prompt-major)."""
+        K = self.sampling.group_size
+        return tuple(c.repeat_interleave(K, dim=0) for c in self.policy.encode_prompts(prompts))
+
+    @torch.no_grad()
+    def reference_velocity(self, z: Tensor, t: Tensor, cond) -> Tensor:
+        """The reference policy's velocity: the policy with its adapter off."""
+        with self.policy.adapter_disabled():
+            return self.policy.velocity(z, t, cond)
 
     @property
     def _sde_dtype(self) -> torch.dtype:
@@ -529,7 +571,7 @@ class JAGGModule(L.LightningModule):
 
     @torch.no_grad()
     def rollout_and_score(self, prompts: list[str], prompt_indices: list[int], step: int,
-                          step_kinds: list[str] | None = None):
+                          step_kinds: list[str] | None = None, reference_steps: list[int] = ()):
         """The rollout with every micro-batch decoded as soon as it is sampled and scored -- in a thread
         pool when ``reward_workers`` > 0, so scoring overlaps the next micro-batch's sampling.
 
@@ -538,7 +580,7 @@ class JAGGModule(L.LightningModule):
         sample_prompts = [p for p in prompts for _ in range(self.sampling.group_size)]
         pending: list[Future] = []
 
-        def score_micro_batch(part: slice, final: Tensor) -> None:
+        def score_micro_batch(part: slice, final: Tensor, _traj: Trajectory) -> None:
             images = self.policy.decode(final)
             if self.reward_workers:
                 pending.append(self._reward_pool().submit(self.score, images, sample_prompts[part]))
@@ -547,7 +589,7 @@ class JAGGModule(L.LightningModule):
                 done.set_result(self.score(images, sample_prompts[part]))
                 pending.append(done)
 
-        traj, cond = self.rollout(prompts, prompt_indices, step, score_micro_batch, step_kinds)
+        traj, cond = self.rollout(prompts, prompt_indices, step, score_micro_batch, step_kinds, reference_steps)
         results = [f.result() for f in pending]
         rewards = torch.cat([total for total, _ in results])
         components = {name: torch.cat([c[name] for _, c in results]) for name in results[0][1]}
@@ -575,25 +617,26 @@ class JAGGModule(L.LightningModule):
 
     @torch.no_grad()
     def reference_velocities(self, traj: Trajectory, cond: tuple, steps: list[int] | None = None) -> Tensor | None:
-        """v with the adapter off at every trained step (default: the last plan's), zeros elsewhere;
-        theta-independent, so once per rollout."""
+        """v with the adapter off at every trained step (default: the last plan's), zeros elsewhere, as a
+        separate pass over a finished trajectory (training takes them inside the rollout instead; this is
+        the independent check); theta-independent, so once per rollout."""
         if self.grpo.kl_beta == 0:
             return None
         out = torch.zeros_like(traj.velocities)
         size = self.sampling.rollout_batch_size
-        with self.policy.adapter_disabled():
-            for k in self.plan.trained_steps if steps is None else steps:
-                for i in range(0, out.shape[1], size):
-                    z = traj.latents[k, i : i + size]
-                    out[k, i : i + size] = self.policy.velocity(z, traj.times[k].expand(z.shape[0]), batch_slice(cond, slice(i, i + size)))
+        for k in self.plan.trained_steps if steps is None else steps:
+            for i in range(0, out.shape[1], size):
+                z = traj.latents[k, i : i + size]
+                out[k, i : i + size] = self.reference_velocity(z, traj.times[k].expand(z.shape[0]),
+                                                               batch_slice(cond, slice(i, i + size)))
         return out
 
     def route(self, traj: Trajectory, windows: list[Window] | None = None) -> list[Window]:
         """Score every window (default: ``self.windows``) from the recorded velocities (``jagg.routing``;
         mean over all samples of all processes), route."""
         windows = self.windows if windows is None else windows
-        scores = torch.tensor([routing_score(self.jagg.routing, traj.velocities, traj.times, w.steps)
-                               for w in windows], device=self.device)
+        scores = torch.stack([routing_score(self.jagg.routing, traj.velocities, traj.times, w.steps)
+                              for w in windows]).to(self.device)
         if self._trainer is not None:
             # every process must route alike: under DDP the backward calls (and their all-reduces) must match
             scores = self.trainer.strategy.reduce(scores, reduce_op="mean")
@@ -604,10 +647,11 @@ class JAGGModule(L.LightningModule):
     def step_loss_fn(self, mb: Trajectory, advantages: Tensor, ref_v: Tensor | None, scale: float, stats: list):
         """(k, v) -> this micro-batch's step-k share of the objective; appends (k, stats) to ``stats``."""
         kind, g = self.sampling.step_kind, self.grpo
+        times = mb.times.tolist()  # one host read per micro-batch, not two per step
 
         def loss_of_step(k: int, v: Tensor) -> Tensor:
             record = StepRecord(
-                mb.latents[k], mb.latents[k + 1], float(mb.times[k]), float(mb.times[k + 1]), mb.log_probs[k],
+                mb.latents[k], mb.latents[k + 1], times[k], times[k + 1], mb.log_probs[k],
                 advantages, None if ref_v is None else ref_v[k],
             )
             loss, st = step_loss(v, record, kind, self.sampling.noise_level, g.clip_range, g.kl_beta,
@@ -618,14 +662,14 @@ class JAGGModule(L.LightningModule):
         return loss_of_step
 
     def micro_batch_backward(
-        self, traj: Trajectory, cond: tuple, advantages: Tensor, ref_v: Tensor | None, index: Tensor,
+        self, traj: Trajectory, cond: tuple, advantages: Tensor, index: Tensor,
         update_size: int, use_cache: bool, stats: list,
     ) -> list[WindowRecord]:
-        """Accumulate this micro-batch's share of d(mean loss over the update)/dtheta."""
+        """Accumulate this micro-batch's share of d(mean loss over the update)/dtheta (the KL reference
+        velocities are the trajectory's, taken in the rollout)."""
         mb = traj.select(index)
-        mb_ref = None if ref_v is None else ref_v[:, index]
         scale = len(index) / (update_size * len(self.plan.trained_steps))
-        loss_of_step = self.step_loss_fn(mb, advantages[index], mb_ref, scale, stats)
+        loss_of_step = self.step_loss_fn(mb, advantages[index], mb.ref_velocities, scale, stats)
         mb_cond = batch_slice(cond, index)
         return accumulate_gradients(
             self.policy.velocity, mb.latents, mb.times, mb_cond, loss_of_step, self.plan.windows,
@@ -665,23 +709,41 @@ class JAGGModule(L.LightningModule):
         step = self.global_step
         self.plan = plan = self.plan_rollout(step)
         self.windows = plan.windows
-        traj, cond, _, rewards, components = self.rollout_and_score(prompts, indices, step, plan.step_kinds)
-        K = self.sampling.group_size
-        advantages = group_advantages(rewards.view(-1, K), self.grpo.adv_std, self.grpo.adv_eps, self.grpo.adv_clip,
-                                      self.grpo.std_ddof, all_reduce=self._all_reduce_sum).flatten()
-        ref_v = self.reference_velocities(traj, cond, plan.trained_steps)
-        self.route(traj, plan.windows)
         self.skipped_samples = 0
+        self.gradient_all_reduces = 0
+        if self.jagg.fused_rollout:
+            traj, cond, rewards, components, advantages, records, first_update_stats = self._fused_update(
+                prompts, indices, step)
+            stats, micro_batches = [], -(-rewards.shape[0] // self.sampling.rollout_batch_size)
+        else:
+            traj, cond, _, rewards, components = self.rollout_and_score(prompts, indices, step, plan.step_kinds,
+                                                                        plan.trained_steps)
+            advantages = self.advantages(rewards)
+            self.route(traj, plan.windows)
+            records, stats, first_update_stats, micro_batches = self._update(traj, cond, advantages, step)
 
-        optimizer = self.optimizers()
-        scheduler = self.lr_schedulers()
-        num = rewards.shape[0]
+        self.window_records = records
+        self.last_rollout = RolloutBatch(traj, cond, advantages, traj.ref_velocities)
+        self._check_first_update_ratio(first_update_stats)
+        self._log_step(rewards, stats + first_update_stats, records, micro_batches)
+        # every component under its own name, a single reward too (as well as train/reward_mean)
+        self.log_dict({f"train/reward/{n}": c.mean().float() for n, c in components.items()},
+                      batch_size=rewards.shape[0])
+        return rewards.mean()
+
+    def advantages(self, rewards: Tensor) -> Tensor:
+        """Group advantages of rewards [N] laid out prompt-major (``grpo`` settings; global std over all processes)."""
+        return group_advantages(rewards.view(-1, self.sampling.group_size), self.grpo.adv_std, self.grpo.adv_eps,
+                                self.grpo.adv_clip, self.grpo.std_ddof, all_reduce=self._all_reduce_sum).flatten()
+
+    def _update(self, traj: Trajectory, cond: tuple, advantages: Tensor, step: int):
+        """The unfused update: ``inner_epochs`` passes over shuffled micro-batches of the finished rollout."""
+        num = advantages.shape[0]
         shuffle = torch.Generator().manual_seed(sample_seed(self.sampling.seed, step, -1))
         records: list[WindowRecord] = []
         stats: list = []
         first_update_stats: list = []
         theta_is_old = True
-        self.gradient_all_reduces = 0
         for _ in range(self.grpo.inner_epochs):
             micro = torch.randperm(num, generator=shuffle).to(self.device).split(self.grpo.train_batch_size)
             per_update = self.grpo.micro_batches_per_update or len(micro)
@@ -691,33 +753,119 @@ class JAGGModule(L.LightningModule):
                 group = self.drop_zero_advantage(group, advantages)
                 with self._local_backward():
                     for index in group:
-                        records += self.micro_batch_backward(traj, cond, advantages, ref_v, index, update_size,
+                        records += self.micro_batch_backward(traj, cond, advantages, index, update_size,
                                                              theta_is_old, first_update_stats if theta_is_old else stats)
-                if not group:  # every sample skipped: the zero gradient the optimizer would have seen
-                    for p in self.policy.lora_parameters():
-                        p.grad = torch.zeros_like(p)
-                self._all_reduce_gradients()
-                if self.grpo.max_grad_norm is not None:
-                    self.clip_gradients(optimizer, gradient_clip_val=self.grpo.max_grad_norm, gradient_clip_algorithm="norm")
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                if self.ema is not None:
-                    self.ema.update()
-                if scheduler is not None:
-                    scheduler.step()
+                self._optimizer_step()
                 theta_is_old = False
+        return records, stats, first_update_stats, self.grpo.inner_epochs * len(micro)
 
-        self.window_records = records
-        self.last_rollout = RolloutBatch(traj, cond, advantages, ref_v)
-        self.first_update_ratio_deviation = max((float(st.log_ratio.abs().max()) for _, st in first_update_stats),
-                                                default=0.0)
-        self._check_first_update_ratio(first_update_stats)
-        micro_batches = self.grpo.inner_epochs * len(micro)
-        self._log_step(rewards, stats + first_update_stats, records, micro_batches)
-        # every component under its own name, a single reward too (as well as train/reward_mean)
-        self.log_dict({f"train/reward/{n}": c.mean().float() for n, c in components.items()},
-                      batch_size=rewards.shape[0])
-        return rewards.mean()
+    def _optimizer_step(self) -> None:
+        """All-reduce (once), clip, step, EMA, scheduler: what follows the backward passes of one update."""
+        optimizer = self.optimizers()
+        if all(p.grad is None for p in self.policy.lora_parameters()):
+            # every sample skipped (zero advantage): the zero gradient the optimizer would have seen
+            for p in self.policy.lora_parameters():
+                p.grad = torch.zeros_like(p)
+        self._all_reduce_gradients()
+        if self.grpo.max_grad_norm is not None:
+            self.clip_gradients(optimizer, gradient_clip_val=self.grpo.max_grad_norm, gradient_clip_algorithm="norm")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update()
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+
+    # ------------------------------------------------------------------ fused on-policy update
+    def fused_graph_steps(self, windows: list[Window]) -> set[int]:
+        """The steps whose graph the fused rollout keeps: every step that may get a backward, known before
+        routing. Anchors always get one (routed or exact), short tail windows are exact, and interiors
+        get one only if the window can stay exact (``jagg_frac`` < 1, or a ``score_limit``) and
+        ``fused_exact_interior`` is on."""
+        j = self.jagg
+        full = [w for w in windows if len(w.steps) == j.window_size]
+        routed_count = int(j.jagg_frac * len(full) + 0.5)
+        all_routed = routed_count == len(full) and j.score_limit is None
+        keep: set[int] = set()
+        for w in windows:
+            if len(w.steps) < j.window_size or routed_count == 0:
+                keep.update(w.steps)  # exact for certain
+            else:
+                keep.update(w.anchors)
+                if j.fused_exact_interior and not all_routed:
+                    keep.update(w.interior)
+        return keep
+
+    def check_fused(self) -> None:
+        """Refuse, with the reason, the settings under which a fused update would not equal the unfused one."""
+        s, g = self.sampling, self.grpo
+        why = "jagg.fused_rollout runs the update inside the rollout"
+        _check(g.inner_epochs == 1, "grpo.inner_epochs", f"1 with jagg.fused_rollout ({why}: one optimizer step per "
+               "rollout, on theta_old)", g.inner_epochs)
+        _check(g.micro_batches_per_update is None, "grpo.micro_batches_per_update", f"null with jagg.fused_rollout "
+               f"({why}: every micro-batch belongs to the one update)", g.micro_batches_per_update)
+        _check(s.rollout_batch_size % s.group_size == 0, "sampling.rollout_batch_size", "a multiple of "
+               f"sampling.group_size ({s.group_size}) with jagg.fused_rollout (a micro-batch's advantages are taken as "
+               "soon as it ends, so it must hold whole groups)", s.rollout_batch_size)
+        _check(g.adv_std == "group", "grpo.adv_std", "'group' with jagg.fused_rollout (a global std needs every "
+               "reward of the rollout before the first backward)", g.adv_std)
+
+    def _fused_update(self, prompts: list[str], indices: list[int], step: int):
+        """Rollout and update in one pass (``jagg.fused_rollout``; see :meth:`fused_graph_steps`).
+
+        As each rollout micro-batch of n samples (whole groups) ends: decode, score, advantages, route its
+        windows on its own recorded velocities (mean over the processes), fold the interior g_k from
+        those velocities into the anchors and run ONE backward over the kept graphs (scaled by
+        n / (N * trained steps), as the unfused update); samples beyond ``fused_samples`` go through the
+        unfused engine (interiors from the cache), then the graphs are freed.
+        """
+        plan, K = self.plan, self.sampling.group_size
+        sample_prompts = [p for p in prompts for _ in range(K)]
+        num = len(sample_prompts)
+        graphs: dict[int, Tensor] = {}
+        rewards, components, advantages = [], [], []
+        records: list[WindowRecord] = []
+        stats: list = []
+        velocity = self.policy.velocity
+        cond = self.encode(prompts)
+
+        def keep(k: int, v: Tensor) -> None:
+            graphs[k] = v
+
+        def update_micro_batch(part: slice, final: Tensor, traj: Trajectory) -> None:
+            total, comps = self.score(self.policy.decode(final), sample_prompts[part])
+            adv = group_advantages(total.view(-1, K), "group", self.grpo.adv_eps, self.grpo.adv_clip,
+                                   self.grpo.std_ddof).flatten()
+            rewards.append(total), components.append(comps), advantages.append(adv)
+            mb = traj.select(part)
+            windows = self.route(mb, plan.windows)
+            n = adv.shape[0]
+            kept = n if self.jagg.fused_samples is None else min(self.jagg.fused_samples, n)
+            mb_cond = batch_slice(cond, part)
+            if self.grpo.skip_zero_advantage and self.grpo.kl_beta == 0 and not bool(adv.any()):
+                graphs.clear()  # all groups tied: a zero gradient, no backward (its forwards were the rollout's)
+                self.skipped_samples += n
+                return
+            with self._local_backward():
+                for rows, graph in ((slice(0, kept), graphs), (slice(kept, n), None)):
+                    if rows.stop <= rows.start:
+                        continue
+                    sub = mb.select(rows)
+                    loss_of_step = self.step_loss_fn(sub, adv[rows], sub.ref_velocities, (rows.stop - rows.start) /
+                                                     (num * len(plan.trained_steps)), stats)
+                    records.extend(accumulate_gradients(
+                        velocity, sub.latents, sub.times, batch_slice(mb_cond, rows), loss_of_step, windows,
+                        cached_velocities=sub.velocities if self.jagg.cache_interior else None,
+                        low_memory=self.jagg.low_memory, backward=self.manual_backward, graphs=graph))
+            graphs.clear()
+
+        traj, cond = self.rollout(prompts, indices, step, update_micro_batch, plan.step_kinds, plan.trained_steps,
+                                  cond=cond, grad_steps=self.fused_graph_steps(plan.windows),
+                                  grad_samples=self.jagg.fused_samples, on_graph=keep)
+        self._optimizer_step()
+        components = {name: torch.cat([c[name] for c in components]) for name in components[0]}
+        return traj, cond, torch.cat(rewards), components, torch.cat(advantages), records, stats
 
     def _log_step(self, rewards: Tensor, stats: list, records: list[WindowRecord], micro_batches: int) -> None:
         def mean_of(attr):
@@ -742,6 +890,7 @@ class JAGGModule(L.LightningModule):
             "passes/backward": torch.tensor(float(sum(r.backwards for r in records))),
             "passes/grad_forward": torch.tensor(float(sum(r.grad_forwards for r in records))),
             "passes/nograd_forward": torch.tensor(float(sum(r.nograd_forwards for r in records))),
+            "passes/fused_forward": torch.tensor(float(sum(r.fused_steps for r in records))),
             "passes/exact_backward": torch.tensor(float(exact_passes)),
             "passes/routed_windows": torch.tensor(float(len(routed))),
             "passes/grad_all_reduce": torch.tensor(float(self.gradient_all_reduces)),
@@ -763,12 +912,17 @@ class JAGGModule(L.LightningModule):
         below eps / 2 to exactly 1).
         """
         s, g = self.sampling, self.grpo
-        other_shape = g.train_batch_size != s.rollout_batch_size
+        other_shape = g.train_batch_size != s.rollout_batch_size and not self.jagg.fused_rollout
         strict = other_shape and self._sde_dtype == torch.float32
         eps = torch.finfo(self._sde_dtype).eps
         tolerance = 0.0 if strict else 4 * eps
-        self.first_update_ratio_off = any(
-            bool((st.log_ratio.abs() > tolerance * (1 + st.old_log_prob.abs())).any()) for _, st in first_update_stats)
+        if first_update_stats:  # two numbers read back to the host per training step, not two per step and micro-batch
+            log_ratio = torch.cat([st.log_ratio.abs().flatten() for _, st in first_update_stats])
+            old = torch.cat([st.old_log_prob.abs().flatten() for _, st in first_update_stats])
+            deviation, off = torch.stack([log_ratio.max(), (log_ratio > tolerance * (1 + old)).any().to(log_ratio)]).tolist()
+        else:
+            deviation, off = 0.0, 0.0
+        self.first_update_ratio_deviation, self.first_update_ratio_off = deviation, bool(off)
         if not self.first_update_ratio_off or self._ratio_warned:
             return
         self._ratio_warned = True
@@ -920,6 +1074,9 @@ class JAGGModule(L.LightningModule):
     # ------------------------------------------------------------------ precision
     def setup(self, stage: str) -> None:
         check_precision(self.trainer.precision, self.policy_config.dtype)
+        if self.jagg.fused_rollout and stage == "fit" and isinstance(self.trainer.strategy, ModelParallelStrategy):
+            raise ValueError("jagg.fused_rollout must be false under a sharded strategy (FSDP2): the kept graphs "
+                             "would hold every block's gathered weights until the micro-batch ends; not supported yet")
 
     def to(self, *args, **kwargs):
         """Moves devices; a floating dtype is ignored. Precision plugins ("bf16-true", "16-true", "64-true") cast

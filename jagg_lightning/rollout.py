@@ -13,7 +13,7 @@ DanceGRPO's ``timestep_fraction`` at window granularity).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,9 +92,17 @@ class Trajectory:
     log_probs: Tensor  # [S, N]: log pi_old(z_{k+1} | z_k); 0 for ODE steps
     velocities: Tensor  # [S, N, ...]: v_old(z_k, t_k) as used by the sampler (after guidance)
     times: Tensor  # [S + 1]
+    ref_velocities: Tensor | None = None  # [S, N, ...]: reference (adapter-off) velocity at reference_steps, else 0
 
-    def select(self, index: Tensor) -> Trajectory:
-        return Trajectory(self.latents[:, index], self.log_probs[:, index], self.velocities[:, index], self.times)
+    def select(self, index: Tensor | slice) -> Trajectory:
+        ref = None if self.ref_velocities is None else self.ref_velocities[:, index]
+        return Trajectory(self.latents[:, index], self.log_probs[:, index], self.velocities[:, index], self.times, ref)
+
+
+MicroBatchHook = Callable[[slice, Tensor, Trajectory], None]
+"""(samples of the micro-batch, its final latents, the trajectory being filled: rows ``samples`` complete)."""
+GraphHook = Callable[[int, Tensor], None]
+"""(step k, velocity WITH its autograd graph for the first ``grad_samples`` samples of the micro-batch)."""
 
 
 @torch.no_grad()
@@ -109,15 +117,24 @@ def sample_trajectories(
     micro_batch_size: int,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
-    on_micro_batch: Callable[[slice, Tensor], None] | None = None,
+    on_micro_batch: MicroBatchHook | None = None,
     cps_log_prob: LogProbConvention = "squared_error",
+    reference_fn: VelocityFn | None = None,
+    reference_steps: Collection[int] = (),
+    grad_steps: Collection[int] = (),
+    grad_samples: int | None = None,
+    on_graph: GraphHook | None = None,
 ) -> Trajectory:
     """Run len(generators) samples through the S = len(step_kinds) steps, micro-batch by micro-batch.
 
     The stored log-prob of a step is 0 when the step is deterministic (ODE, or CPS into t = 0): never NaN.
 
-    ``on_micro_batch(samples, final_latents)`` is called as each micro-batch finishes (e.g. to decode
-    and score it while the next one samples).
+    ``on_micro_batch(samples, final_latents, trajectory)`` is called as each micro-batch finishes (e.g. to
+    decode and score it while the next one samples, or to run the fused update on its kept graphs).
+    ``reference_fn`` (e.g. the policy with its adapter off) is evaluated at ``reference_steps`` on the
+    same z and t, into ``ref_velocities``: the KL reference costs no second pass over the latents.
+    At ``grad_steps`` the first ``grad_samples`` samples of each micro-batch (default: all) are run with
+    grad and ``on_graph(k, v)`` receives the velocity with its graph; the sampler uses it detached.
     """
     num = len(generators)
     steps = len(step_kinds)
@@ -128,9 +145,23 @@ def sample_trajectories(
     velocities = torch.empty(steps, num, *latent_shape, dtype=dtype, device=device)
     log_probs = torch.zeros(steps, num, dtype=dtype, device=device)
     times = times.to(device=device, dtype=dtype)
+    ref = None if reference_fn is None else torch.zeros_like(velocities)
+    traj = Trajectory(latents, log_probs, velocities, times, ref)
 
     def noise(gens):
         return torch.stack([torch.randn(*latent_shape, generator=g, dtype=dtype) for g in gens]).to(device)
+
+    def velocity(k: int, z: Tensor, cond_mb) -> Tensor:
+        t = times[k].expand(z.shape[0])
+        if k not in grad_steps or on_graph is None:
+            return velocity_fn(z, t, cond_mb)
+        n = z.shape[0] if grad_samples is None else min(grad_samples, z.shape[0])
+        with torch.enable_grad():
+            v = velocity_fn(z[:n], t[:n], batch_slice(cond_mb, slice(0, n)))
+        on_graph(k, v)
+        if n == z.shape[0]:
+            return v.detach()
+        return torch.cat([v.detach(), velocity_fn(z[n:], t[n:], batch_slice(cond_mb, slice(n, None)))])
 
     for start in range(0, num, micro_batch_size):
         part = slice(start, min(start + micro_batch_size, num))
@@ -138,7 +169,9 @@ def sample_trajectories(
         z = noise(gens)
         latents[0, part] = z
         for k, kind in enumerate(step_kinds):
-            v = velocity_fn(z, times[k].expand(z.shape[0]), cond_mb).to(dtype)
+            v = velocity(k, z, cond_mb).to(dtype)
+            if ref is not None and k in reference_steps:
+                ref[k, part] = reference_fn(z, times[k].expand(z.shape[0]), cond_mb).to(dtype)
             dist = step_distribution(z, v, times[k], times[k + 1], kind, noise_level)
             eps = noise(gens)
             z = sample_step(dist, eps) if kind != "ode" else dist.mean
@@ -147,6 +180,5 @@ def sample_trajectories(
             if kind != "ode":
                 log_probs[k, part] = dist.log_prob(z, cps_log_prob)
         if on_micro_batch is not None:
-            on_micro_batch(part, z)
-    return Trajectory(latents, log_probs, velocities, times)
-
+            on_micro_batch(part, z, traj)
+    return traj

@@ -157,9 +157,11 @@ class RewardRecorder(Callback):
 def test_reward_goes_up_on_tiny_default(tmp_path, rng_seed):
     """60 steps of configs/tiny.yaml for 3 fresh seeds: the mean reward of the last quarter beats the first.
 
-    Measured over 15 seeds: gains from 0.029 to 0.383 kB (mean 0.151), with a per-step reward
-    noise of about 0.005 kB. Noise alone gives a difference of two 15-step means with std ~0.002 kB,
-    so every seed must clear 0.01 kB (5 sigma) and the three together must average over 0.04 kB.
+    Measured over 23 seeds: gains from -0.019 to 0.48 kB (mean 0.155, std 0.11); 2 of the 23 seeds gain
+    less than 0.015 kB (the seed is a real source of spread, not only noise). A per-step reward noise of
+    about 0.005 kB gives a difference of two 15-step means with std ~0.002 kB, so the mean gain of the
+    three seeds must clear 0.01 kB: 8 sigma of noise for the mean; resampling the 23 measured gains
+    in threes puts 0.2 % of triples below it (a per-seed bound would flake in ~20 % of runs).
     """
     gains = []
     for i in range(3):
@@ -176,8 +178,7 @@ def test_reward_goes_up_on_tiny_default(tmp_path, rng_seed):
         quarter = len(r) // 4
         gains.append(float(r[-quarter:].mean() - r[:quarter].mean()))
     print("reward gains", gains)
-    assert min(gains) > 0.01, gains
-    assert sum(gains) / 3 > 0.04, gains
+    assert sum(gains) / 3 > 0.01, gains
 
 
 @pytest.mark.parametrize(

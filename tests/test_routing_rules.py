@@ -27,7 +27,7 @@ def test_cosine_score_matches_its_definition(rng_seed):
     times = flow_match_sigmas(8).double()
     v = torch.randn(9, 3, 4, 2, 2, generator=gen, dtype=torch.float64)
     steps = [2, 3, 4, 5]
-    assert cosine_score(v, times, steps) == pytest.approx(reference_cosine_score(v, steps), abs=1e-12)
+    assert float(cosine_score(v, times, steps)) == pytest.approx(reference_cosine_score(v, steps), abs=1e-12)
     assert routing_score("cosine", v, times, steps) == cosine_score(v, times, steps)
     assert routing_score("residual", v, times, steps) == interpolation_residual(v, times, steps)
     assert cosine_score(v, times, [4, 5]) == 0.0
@@ -62,8 +62,8 @@ def test_module_routes_by_the_configured_rule(rule, routed, rng_seed):
     module.configure_model()
     module.configure_model()  # the schedule is the policy's
     traj = _disagreeing_trajectory(module.times, torch.Generator().manual_seed(rng_seed))
-    r = [interpolation_residual(traj.velocities, traj.times, w.steps) for w in module.windows]
-    c = [cosine_score(traj.velocities, traj.times, w.steps) for w in module.windows]
+    r = [float(interpolation_residual(traj.velocities, traj.times, w.steps)) for w in module.windows]
+    c = [float(cosine_score(traj.velocities, traj.times, w.steps)) for w in module.windows]
     assert r[0] > r[1] and c[0] < c[1]  # the two rules disagree on this trajectory
     windows = module.route(traj)
     assert [w.routed for w in windows] == routed

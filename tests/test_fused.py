@@ -1,0 +1,119 @@
+"""The fused on-policy mode (``jagg.fused_rollout``): the rollout keeps the graphs of the steps that get a
+backward, and each micro-batch's update runs as soon as it is sampled. Same gradient as the unfused
+update (float64), no repeated forward, and the settings it cannot serve are refused."""
+
+import lightning as L
+import pytest
+import torch
+
+from jagg_lightning.data import PromptDataModule
+from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+
+from helpers import randomize_lora_b, rel_error, tiny_policy_config
+
+PROMPTS = ["a red cat", "a blue dog"]
+K = 3
+
+
+def build(seed, fused, dtype="float64", rollout_batch_size=6, guidance=1.0, kl_beta=0.0, **jagg):
+    module = JAGGModule(
+        tiny_policy_config(dtype=dtype, seed=seed, guidance_scale=guidance),
+        SamplingConfig(num_steps=7, group_size=K, seed=seed, rollout_batch_size=rollout_batch_size),
+        GRPOConfig(train_batch_size=4, max_grad_norm=None, kl_beta=kl_beta),
+        JAGGConfig(**({"window_size": 3, "fused_rollout": fused} | jagg)),
+        optimizer=lambda p: torch.optim.SGD(p, lr=1.0),  # the update is minus the gradient
+    )
+    module.configure_model()
+    randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
+    return module
+
+
+def fit_once(module, prompts=PROMPTS):
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    before = [p.detach().clone() for p in module.policy.lora_parameters()]
+    trainer.fit(module, PromptDataModule(prompts=prompts, batch_size=len(prompts), shuffle=False))
+    update = [p.detach() - b for p, b in zip(module.policy.lora_parameters(), before)]
+    metrics = {k[len("train/passes/"):]: float(v) for k, v in trainer.callback_metrics.items()
+               if k.startswith("train/passes/")}
+    return update, metrics
+
+
+CASES = {
+    "exact": dict(jagg_frac=0.0),
+    "disjoint": dict(jagg_frac=1.0),
+    "chained": dict(jagg_frac=1.0, chained=True),
+    "routed half, one micro-batch": dict(jagg_frac=0.5),
+    "routed half, exact interiors re-run": dict(jagg_frac=0.5, fused_exact_interior=False),
+    "graphs for part of each micro-batch": dict(jagg_frac=1.0, fused_samples=2, rollout_batch_size=3),
+    "several micro-batches, low memory": dict(jagg_frac=1.0, rollout_batch_size=3, low_memory=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_gradient_equals_unfused(case, rng_seed):
+    seed = rng_seed % 10_000
+    options = dict(CASES[case])
+    unfused_update, unfused_passes = fit_once(build(seed, False, **options))
+    fused_update, fused_passes = fit_once(build(seed, True, **options))
+    assert sum(float(u.abs().sum()) for u in unfused_update) > 0
+    assert rel_error(fused_update, unfused_update) < 1e-10
+    # the same windows did the same work; the fused mode took its forwards with grad from the rollout
+    assert fused_passes["routed_windows"] > 0 or case == "exact"
+    assert fused_passes["fused_forward"] > 0 and unfused_passes["fused_forward"] == 0
+    if "fused_samples" not in options:  # (a part's rest runs unfused: as many passes, on fewer samples)
+        assert fused_passes["grad_forward"] < unfused_passes["grad_forward"]
+
+
+@pytest.mark.parametrize("kl_beta,guidance", [(0.0, 2.5), (0.3, 1.0)])
+def test_fused_gradient_equals_unfused_with_guidance_and_kl(kl_beta, guidance, rng_seed):
+    seed = rng_seed % 10_000
+    options = dict(jagg_frac=1.0, rollout_batch_size=3, guidance=guidance, kl_beta=kl_beta)
+    unfused_update, _ = fit_once(build(seed, False, **options))
+    fused_update, _ = fit_once(build(seed, True, **options))
+    assert rel_error(fused_update, unfused_update) < 1e-10
+
+
+def test_fused_disjoint_makes_no_forward_beyond_the_rollout(rng_seed):
+    """8 trained steps, W = 3, all routed: windows (0 1 2) (3 4 5) and the exact tail (6 7). Unfused: one
+    batched anchor pass per routed window plus two for the tail = 4 forwards with grad and 4 backwards
+    per micro-batch. Fused: the six pass steps (0 2 3 5 6 7) come from the rollout, ONE backward per
+    micro-batch, and the interiors (1 4) from the rollout's velocities."""
+    module = JAGGModule(tiny_policy_config(seed=rng_seed % 10_000), SamplingConfig(num_steps=9, group_size=K,
+                        rollout_batch_size=3), GRPOConfig(), JAGGConfig(window_size=3, jagg_frac=1.0, fused_rollout=True))
+    module.configure_model()
+    _, passes = fit_once(module)
+    micro_batches = len(PROMPTS) * K // 3
+    assert passes["grad_forward"] == 0 and passes["nograd_forward"] == 0
+    assert passes["fused_forward"] == 6 * micro_batches
+    assert passes["backward"] == micro_batches
+    assert module.fused_graph_steps(module.windows) == {0, 2, 3, 5, 6, 7}
+    assert module.first_update_ratio_deviation < 1e-12  # the kept graph IS the rollout's forward
+
+
+def test_kl_reference_is_taken_inside_the_rollout(rng_seed):
+    """The reference velocities the rollout records equal a separate adapter-off pass over the trajectory."""
+    module = build(rng_seed % 10_000, False, dtype="float32", kl_beta=0.1, rollout_batch_size=4)
+    traj, cond, *_ = module.rollout_and_score(PROMPTS[:2], [0, 1], 0, module.plan.step_kinds,
+                                              module.plan.trained_steps)
+    separate = module.reference_velocities(traj, cond, module.plan.trained_steps)
+    assert traj.ref_velocities is not None and separate.abs().sum() > 0
+    assert torch.equal(traj.ref_velocities, separate)
+    # ... and differ from the policy's own (the adapter is on in the rollout)
+    assert not torch.allclose(traj.ref_velocities[0], traj.velocities[0])
+
+
+@pytest.mark.parametrize(
+    "sampling,grpo,field",
+    [
+        ({}, {"inner_epochs": 2}, "grpo.inner_epochs"),
+        ({}, {"micro_batches_per_update": 1}, "grpo.micro_batches_per_update"),
+        ({"rollout_batch_size": 4}, {}, "sampling.rollout_batch_size"),
+        ({}, {"adv_std": "global"}, "grpo.adv_std"),
+    ],
+)
+def test_fused_refuses_what_it_cannot_serve(sampling, grpo, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.") + ".*fused_rollout") as info:
+        JAGGModule(tiny_policy_config(), SamplingConfig(**({"group_size": 3, "rollout_batch_size": 6} | sampling)),
+                   GRPOConfig(**grpo), JAGGConfig(window_size=3, fused_rollout=True))
+    assert "must" in str(info.value)
