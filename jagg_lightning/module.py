@@ -447,6 +447,7 @@ class JAGGModule(L.LightningModule):
         self._eval_grid: list[Tensor] = []
         self.gradient_all_reduces = 0  # in the last training step: one per optimizer update under DDP
         self._sharded = False  # FSDP2 applied by configure_model
+        self._activation_bytes: dict[tuple, int] = {}  # per guidance scale: see activation_bytes()
 
     def _trainable_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
@@ -667,15 +668,86 @@ class JAGGModule(L.LightningModule):
     ) -> list[WindowRecord]:
         """Accumulate this micro-batch's share of d(mean loss over the update)/dtheta (the KL reference
         velocities are the trajectory's, taken in the rollout)."""
-        mb = traj.select(index)
-        scale = len(index) / (update_size * len(self.plan.trained_steps))
-        loss_of_step = self.step_loss_fn(mb, advantages[index], mb.ref_velocities, scale, stats)
-        mb_cond = batch_slice(cond, index)
+        return self.backward_samples(traj.select(index), advantages[index], batch_slice(cond, index), update_size,
+                                     self.plan.windows, use_cache, stats)
+
+    def backward_samples(self, mb: Trajectory, advantages: Tensor, cond: tuple, update_size: int,
+                         windows: list[Window], use_cache: bool, stats: list) -> list[WindowRecord]:
+        """The engine over ``mb``'s samples, in passes of as many samples as ``jagg.memory_budget_mb`` allows
+        (:meth:`pass_plan`); each sample's loss is scaled by 1 / (update_size * trained steps)."""
+        size, split_anchors = self.pass_plan(advantages.shape[0], windows)
+        records = []
+        for start in range(0, advantages.shape[0], size):
+            rows = slice(start, start + size)
+            records += self.engine_pass(mb.select(rows), advantages[rows], batch_slice(cond, rows), update_size,
+                                        windows, use_cache, stats, low_memory=split_anchors)
+        return records
+
+    def engine_pass(self, mb: Trajectory, advantages: Tensor, cond: tuple, update_size: int, windows: list[Window],
+                    use_cache: bool, stats: list, low_memory: bool, graphs: dict[int, Tensor] | None = None):
+        """One :func:`accumulate_gradients` call over all of ``mb``'s samples."""
+        scale = advantages.shape[0] / (update_size * len(self.plan.trained_steps))
+        loss_of_step = self.step_loss_fn(mb, advantages, mb.ref_velocities, scale, stats)
         return accumulate_gradients(
-            self.policy.velocity, mb.latents, mb.times, mb_cond, loss_of_step, self.plan.windows,
+            self.policy.velocity, mb.latents, mb.times, cond, loss_of_step, windows,
             cached_velocities=mb.velocities if (use_cache and self.jagg.cache_interior) else None,
-            low_memory=self.jagg.low_memory, backward=self.manual_backward,
+            low_memory=low_memory, backward=self.manual_backward, graphs=graphs,
         )
+
+    # ------------------------------------------------------------------ memory budget
+    def activation_bytes(self, samples: int = 1) -> int:
+        """Bytes autograd keeps for the backward of ONE sample's forward with grad (the velocity at the
+        current guidance: with CFG both branches), measured once by counting the tensors saved for
+        backward (frozen weights excluded, shared storage counted once): the unit of
+        ``jagg.memory_budget_mb``. Activations grow linearly with the samples in a pass (``samples`` > 1
+        measures a pass of that many, uncached)."""
+        key = (float(self.policy.config.guidance_scale), samples)
+        if key not in self._activation_bytes:
+            weights = {p.untyped_storage().data_ptr() for p in self.policy.parameters()}
+            seen: dict[int, int] = {}
+
+            def pack(t: Tensor):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in weights:
+                    seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+                return t
+
+            cond = tuple(c[:1].repeat_interleave(samples, dim=0) for c in self.encode(["a"]))
+            z = torch.randn(samples, *self.policy.latent_shape, generator=torch.Generator().manual_seed(0))
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                self.policy.velocity(z.to(self.device), torch.full((samples,), 0.5, device=self.device), cond)
+            if samples > 1:
+                return sum(seen.values())
+            self._activation_bytes[key] = sum(seen.values())
+        return self._activation_bytes[key]
+
+    def pass_plan(self, samples: int, windows: list[Window]) -> tuple[int, bool]:
+        """(samples per pass, split anchors) for ``samples`` over the routed ``windows`` under
+        ``jagg.memory_budget_mb``.
+
+        A pass over n samples of one step keeps n a bytes (a = :meth:`activation_bytes`); a batched anchor
+        pass keeps 2 n a. Two plans fit the budget B: batched anchors on c_b = B // 2a samples a pass, or
+        split anchors on c_s = B // a; with R routed windows and E exact steps they make
+        (R + E) ceil(n / c_b) and (2R + E) ceil(n / c_s) passes. The plan with fewer passes wins (batched
+        on a tie; split when c_b < 1). A budget below one sample's pass still runs one sample at a time.
+        Without a budget: all samples, ``jagg.low_memory``."""
+        budget = self.jagg.memory_budget_mb
+        if budget is None:
+            return samples, self.jagg.low_memory
+        per_sample, limit = max(self.activation_bytes(), 1), int(budget * 2**20)
+        routed = sum(1 for w in windows if w.routed)
+        exact = len({k for w in windows if not w.routed for k in w.steps})
+        batched, split = min(samples, limit // (2 * per_sample)), max(1, min(samples, limit // per_sample))
+        if batched >= 1 and (routed + exact) * -(-samples // batched) <= (2 * routed + exact) * -(-samples // split):
+            return batched, False
+        return split, True
+
+    def fused_samples(self, kept_steps: int) -> int | None:
+        """Samples of each rollout micro-batch whose graphs the fused mode keeps: ``jagg.fused_samples``, else
+        as many as ``memory_budget_mb`` holds for ``kept_steps`` graphs (at least 1), else all (None)."""
+        if self.jagg.fused_samples is not None or self.jagg.memory_budget_mb is None:
+            return self.jagg.fused_samples
+        return max(1, int(self.jagg.memory_budget_mb * 2**20) // (max(kept_steps, 1) * max(self.activation_bytes(), 1)))
 
     def drop_zero_advantage(self, group: list[Tensor], advantages: Tensor) -> list[Tensor]:
         """The micro-batches of one update without the samples whose advantage is exactly 0, repacked into
@@ -827,8 +899,9 @@ class JAGGModule(L.LightningModule):
         rewards, components, advantages = [], [], []
         records: list[WindowRecord] = []
         stats: list = []
-        velocity = self.policy.velocity
         cond = self.encode(prompts)
+        graph_steps = self.fused_graph_steps(plan.windows)
+        graph_samples = self.fused_samples(len(graph_steps))
 
         def keep(k: int, v: Tensor) -> None:
             graphs[k] = v
@@ -841,28 +914,24 @@ class JAGGModule(L.LightningModule):
             mb = traj.select(part)
             windows = self.route(mb, plan.windows)
             n = adv.shape[0]
-            kept = n if self.jagg.fused_samples is None else min(self.jagg.fused_samples, n)
+            kept = n if graph_samples is None else min(graph_samples, n)
             mb_cond = batch_slice(cond, part)
             if self.grpo.skip_zero_advantage and self.grpo.kl_beta == 0 and not bool(adv.any()):
                 graphs.clear()  # all groups tied: a zero gradient, no backward (its forwards were the rollout's)
                 self.skipped_samples += n
                 return
             with self._local_backward():
-                for rows, graph in ((slice(0, kept), graphs), (slice(kept, n), None)):
-                    if rows.stop <= rows.start:
-                        continue
-                    sub = mb.select(rows)
-                    loss_of_step = self.step_loss_fn(sub, adv[rows], sub.ref_velocities, (rows.stop - rows.start) /
-                                                     (num * len(plan.trained_steps)), stats)
-                    records.extend(accumulate_gradients(
-                        velocity, sub.latents, sub.times, batch_slice(mb_cond, rows), loss_of_step, windows,
-                        cached_velocities=sub.velocities if self.jagg.cache_interior else None,
-                        low_memory=self.jagg.low_memory, backward=self.manual_backward, graphs=graph))
+                rows = slice(0, kept)
+                records.extend(self.engine_pass(mb.select(rows), adv[rows], batch_slice(mb_cond, rows), num, windows,
+                                                True, stats, self.jagg.low_memory, graphs))
+                if kept < n:  # the samples without kept graphs: the unfused engine, interiors from the cache
+                    rows = slice(kept, n)
+                    records.extend(self.backward_samples(mb.select(rows), adv[rows], batch_slice(mb_cond, rows), num,
+                                                         windows, True, stats))
             graphs.clear()
 
         traj, cond = self.rollout(prompts, indices, step, update_micro_batch, plan.step_kinds, plan.trained_steps,
-                                  cond=cond, grad_steps=self.fused_graph_steps(plan.windows),
-                                  grad_samples=self.jagg.fused_samples, on_graph=keep)
+                                  cond=cond, grad_steps=graph_steps, grad_samples=graph_samples, on_graph=keep)
         self._optimizer_step()
         components = {name: torch.cat([c[name] for c in components]) for name in components[0]}
         return traj, cond, torch.cat(rewards), components, torch.cat(advantages), records, stats

@@ -117,3 +117,35 @@ def test_fused_refuses_what_it_cannot_serve(sampling, grpo, field):
         JAGGModule(tiny_policy_config(), SamplingConfig(**({"group_size": 3, "rollout_batch_size": 6} | sampling)),
                    GRPOConfig(**grpo), JAGGConfig(window_size=3, fused_rollout=True))
     assert "must" in str(info.value)
+
+
+def test_memory_budget_picks_the_pass_layout_and_keeps_the_gradient(rng_seed):
+    """The budget, in units of one sample's measured activations a: >= 2 n a batches the anchors of all n
+    samples; between n a and 2 n a splits them; below, passes take fewer samples. The gradient is the
+    same in every layout (float64), and the pass counts grow as the passes shrink."""
+    seed = rng_seed % 10_000
+    reference_update, reference_passes = fit_once(build(seed, False, jagg_frac=1.0))
+    probe = build(seed, False, jagg_frac=1.0)
+    a = probe.activation_bytes()
+    # linear in the samples of a pass: four samples keep four times one sample's activations (within 10 %)
+    assert 3.6 * a < probe.activation_bytes(samples=4) < 4.4 * a
+    assert a > 0
+    # 6 trained steps, W = 3, all routed: R = 2 windows, E = 0 exact steps
+    probe.route(probe.rollout(PROMPTS[:1], [0], 0)[0])
+    windows = probe.windows
+    assert sum(w.routed for w in windows) == 2
+    layouts = {8 * a: (4, 4, False),  # 2 batched passes of 4 beat 4 split passes
+               3 * a: (3, 3, True),   # n = 3: batched c_b = 1 makes 6 passes, split c_s = 3 makes 4
+               1.5 * a: (4, 1, True)}  # not even a batched single sample fits: split, one sample a pass
+    for budget, (n, size, split) in layouts.items():
+        module = build(seed, False, jagg_frac=1.0, memory_budget_mb=budget / 2**20)
+        assert module.pass_plan(n, windows) == (size, split), budget / a
+        update, passes = fit_once(module)
+        assert rel_error(update, reference_update) < 1e-10
+        assert passes["backward"] >= reference_passes["backward"]
+    assert passes["backward"] > reference_passes["backward"]
+    # the fused mode keeps graphs for as many samples as the budget holds for its kept steps (0 2 3 5)
+    fused = build(seed, True, jagg_frac=1.0, memory_budget_mb=4 * 2 * a / 2**20)
+    assert fused.fused_graph_steps(fused.windows) == {0, 2, 3, 5} and fused.fused_samples(4) == 2
+    update, passes = fit_once(fused)
+    assert rel_error(update, reference_update) < 1e-10 and passes["fused_forward"] > 0
