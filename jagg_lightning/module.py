@@ -43,6 +43,7 @@ from jagg_lightning.jagg import (
     WindowGradientCheck,
     WindowRecord,
     accumulate_gradients,
+    alphas,
     check_window_gradients,
     ROUTING_SCORES,
     plan_windows,
@@ -216,7 +217,10 @@ class JAGGConfig:
     only that many samples of each rollout micro-batch (the rest are updated unfused): the memory knob.
     ``memory_budget_mb``: the activation memory one gradient pass may use; the update then picks batched
     or split anchor passes and how many samples share a pass (measured per sample, see
-    :meth:`JAGGModule.samples_per_pass`), instead of ``low_memory`` alone."""
+    :meth:`JAGGModule.pass_plan`), instead of ``low_memory`` alone. ``interpolate_reference`` (an
+    approximation, off by default): with kl_beta > 0 the reference velocity of a routed window's interior
+    step is interpolated from its anchors', v_ref,k ~ (1 - alpha_k) v_ref,a + alpha_k v_ref,b, instead of
+    a forward with the adapter off (error measured in benchmarks/kl_reference.py)."""
 
     window_size: int = 4
     jagg_frac: float = 0.5
@@ -229,6 +233,7 @@ class JAGGConfig:
     fused_exact_interior: bool = True
     fused_samples: int | None = None
     memory_budget_mb: float | None = None
+    interpolate_reference: bool = False
 
     def __post_init__(self):
         _check_ints(self, "jagg", "window_size")
@@ -446,6 +451,7 @@ class JAGGModule(L.LightningModule):
         self._eval_sums: dict[str, Tensor] = {}  # component -> [sum, count] over this process's eval samples
         self._eval_grid: list[Tensor] = []
         self.gradient_all_reduces = 0  # in the last training step: one per optimizer update under DDP
+        self.reference_forwards = 0  # adapter-off forwards (of a micro-batch) in the last training step
         self._sharded = False  # FSDP2 applied by configure_model
         self._activation_bytes: dict[tuple, int] = {}  # per guidance scale: see activation_bytes()
 
@@ -562,7 +568,8 @@ class JAGGModule(L.LightningModule):
 
     @torch.no_grad()
     def reference_velocity(self, z: Tensor, t: Tensor, cond) -> Tensor:
-        """The reference policy's velocity: the policy with its adapter off."""
+        """The reference policy's velocity: the policy with its adapter off (counted: ``train/passes/reference_forward``)."""
+        self.reference_forwards += 1
         with self.policy.adapter_disabled():
             return self.policy.velocity(z, t, cond)
 
@@ -783,15 +790,18 @@ class JAGGModule(L.LightningModule):
         self.windows = plan.windows
         self.skipped_samples = 0
         self.gradient_all_reduces = 0
+        self.reference_forwards = 0
         if self.jagg.fused_rollout:
             traj, cond, rewards, components, advantages, records, first_update_stats = self._fused_update(
                 prompts, indices, step)
             stats, micro_batches = [], -(-rewards.shape[0] // self.sampling.rollout_batch_size)
         else:
+            taken = self.reference_steps(plan.windows)
             traj, cond, _, rewards, components = self.rollout_and_score(prompts, indices, step, plan.step_kinds,
-                                                                        plan.trained_steps)
+                                                                        sorted(taken))
             advantages = self.advantages(rewards)
             self.route(traj, plan.windows)
+            self.complete_reference(traj, cond, plan.windows, taken)
             records, stats, first_update_stats, micro_batches = self._update(traj, cond, advantages, step)
 
         self.window_records = records
@@ -852,9 +862,21 @@ class JAGGModule(L.LightningModule):
     # ------------------------------------------------------------------ fused on-policy update
     def fused_graph_steps(self, windows: list[Window]) -> set[int]:
         """The steps whose graph the fused rollout keeps: every step that may get a backward, known before
-        routing. Anchors always get one (routed or exact), short tail windows are exact, and interiors
-        get one only if the window can stay exact (``jagg_frac`` < 1, or a ``score_limit``) and
-        ``fused_exact_interior`` is on."""
+        routing (:meth:`pass_steps_before_routing`; interiors with ``fused_exact_interior``)."""
+        return self.pass_steps_before_routing(windows, self.jagg.fused_exact_interior)
+
+    def reference_steps(self, windows: list[Window]) -> set[int]:
+        """The steps whose KL reference the rollout takes: every trained step, or with
+        ``interpolate_reference`` only those that get a backward whatever the routing (the rest are
+        interpolated or taken by :meth:`complete_reference` once the windows are routed)."""
+        if not self.jagg.interpolate_reference:
+            return {k for w in windows for k in w.steps}
+        return self.pass_steps_before_routing(windows, interiors=False)
+
+    def pass_steps_before_routing(self, windows: list[Window], interiors: bool) -> set[int]:
+        """Steps that get a backward whatever the routing decides -- anchors (routed or exact) and every step
+        of a window exact for certain (a short tail, or ``jagg_frac`` routing none) -- plus, with
+        ``interiors``, the interiors of windows that may stay exact (``jagg_frac`` < 1 or a ``score_limit``)."""
         j = self.jagg
         full = [w for w in windows if len(w.steps) == j.window_size]
         routed_count = int(j.jagg_frac * len(full) + 0.5)
@@ -865,9 +887,34 @@ class JAGGModule(L.LightningModule):
                 keep.update(w.steps)  # exact for certain
             else:
                 keep.update(w.anchors)
-                if j.fused_exact_interior and not all_routed:
+                if interiors and not all_routed:
                     keep.update(w.interior)
         return keep
+
+    @torch.no_grad()
+    def complete_reference(self, traj: Trajectory, cond: tuple, windows: list[Window], taken: set[int]) -> None:
+        """Fill in, once the windows are routed, the reference velocities the rollout did not take
+        (``interpolate_reference``): a routed window's interior steps are interpolated from its anchors'
+        (alpha_k of the window), an exact window's are taken with the adapter off. In place."""
+        ref, size = traj.ref_velocities, self.sampling.rollout_batch_size
+        if ref is None:
+            return
+        for w in windows:
+            missing = [k for k in w.interior if k not in taken]
+            if not missing:
+                continue
+            if w.routed:
+                alpha = alphas(traj.times, w.steps)
+                a, b = w.anchors
+                for i, k in enumerate(w.steps):
+                    if k in missing:
+                        ref[k] = (1 - alpha[i]).to(ref.dtype) * ref[a] + alpha[i].to(ref.dtype) * ref[b]
+                continue
+            for k in missing:
+                for i in range(0, ref.shape[1], size):
+                    z = traj.latents[k, i : i + size]
+                    ref[k, i : i + size] = self.reference_velocity(z, traj.times[k].expand(z.shape[0]),
+                                                                   batch_slice(cond, slice(i, i + size)))
 
     def check_fused(self) -> None:
         """Refuse, with the reason, the settings under which a fused update would not equal the unfused one."""
@@ -911,8 +958,9 @@ class JAGGModule(L.LightningModule):
             adv = group_advantages(total.view(-1, K), "group", self.grpo.adv_eps, self.grpo.adv_clip,
                                    self.grpo.std_ddof).flatten()
             rewards.append(total), components.append(comps), advantages.append(adv)
-            mb = traj.select(part)
+            mb = traj.select(part)  # views: the reference completed here is the trajectory's
             windows = self.route(mb, plan.windows)
+            self.complete_reference(mb, batch_slice(cond, part), windows, taken)
             n = adv.shape[0]
             kept = n if graph_samples is None else min(graph_samples, n)
             mb_cond = batch_slice(cond, part)
@@ -930,7 +978,8 @@ class JAGGModule(L.LightningModule):
                                                          windows, True, stats))
             graphs.clear()
 
-        traj, cond = self.rollout(prompts, indices, step, update_micro_batch, plan.step_kinds, plan.trained_steps,
+        taken = self.reference_steps(plan.windows)
+        traj, cond = self.rollout(prompts, indices, step, update_micro_batch, plan.step_kinds, sorted(taken),
                                   cond=cond, grad_steps=graph_steps, grad_samples=graph_samples, on_graph=keep)
         self._optimizer_step()
         components = {name: torch.cat([c[name] for c in components]) for name in components[0]}
@@ -960,6 +1009,7 @@ class JAGGModule(L.LightningModule):
             "passes/grad_forward": torch.tensor(float(sum(r.grad_forwards for r in records))),
             "passes/nograd_forward": torch.tensor(float(sum(r.nograd_forwards for r in records))),
             "passes/fused_forward": torch.tensor(float(sum(r.fused_steps for r in records))),
+            "passes/reference_forward": torch.tensor(float(self.reference_forwards)),
             "passes/exact_backward": torch.tensor(float(exact_passes)),
             "passes/routed_windows": torch.tensor(float(len(routed))),
             "passes/grad_all_reduce": torch.tensor(float(self.gradient_all_reduces)),

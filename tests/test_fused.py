@@ -149,3 +149,38 @@ def test_memory_budget_picks_the_pass_layout_and_keeps_the_gradient(rng_seed):
     assert fused.fused_graph_steps(fused.windows) == {0, 2, 3, 5} and fused.fused_samples(4) == 2
     update, passes = fit_once(fused)
     assert rel_error(update, reference_update) < 1e-10 and passes["fused_forward"] > 0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_interpolated_reference_inside_routed_windows(fused, rng_seed):
+    """``interpolate_reference``: the rollout takes the reference only where a backward is certain (the
+    anchors); after routing, a routed window's interior reference is the alpha-interpolation of its
+    anchors' and an exact window's is a real adapter-off forward. Fused and unfused agree (float64)."""
+    from jagg_lightning.jagg import alphas
+
+    seed = rng_seed % 10_000
+    options = dict(jagg_frac=0.5, kl_beta=0.2, interpolate_reference=True)
+    module = build(seed, fused, **options)
+    update, passes = fit_once(module)
+    batch, windows = module.last_rollout, module.windows
+    ref, traj = batch.ref_velocities, batch.trajectory
+    separate = module.reference_velocities(traj, batch.cond, module.plan.trained_steps)
+    routed = [w for w in windows if w.routed]
+    exact = [w for w in windows if not w.routed]
+    assert len(routed) == 1 and len(exact) == 1
+    for w in windows:
+        a, b = w.anchors
+        for k in (a, b):
+            assert torch.equal(ref[k], separate[k])
+        for k in w.interior:
+            if w.routed:
+                alpha = alphas(traj.times, w.steps)[w.steps.index(k)]
+                assert torch.allclose(ref[k], (1 - alpha) * separate[a] + alpha * separate[b], rtol=0, atol=1e-12)
+                assert not torch.allclose(ref[k], separate[k])
+            else:
+                assert torch.equal(ref[k], separate[k])
+    # 6 trained steps in one micro-batch: 4 anchors in the rollout + the exact window's interior = 5 forwards
+    assert passes["reference_forward"] == 5
+    if fused:
+        unfused_update, _ = fit_once(build(seed, False, **options))
+        assert rel_error(update, unfused_update) < 1e-10

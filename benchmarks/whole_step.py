@@ -1,0 +1,230 @@
+"""The whole training step -- rollout + decode + reward + update -- for exact GRPO and JAGG, fused and unfused.
+
+Each (configuration, repeat) runs in its own process, so its peak memory can be read (Linux VmHWM,
+reset before the timed step); the repeats are interleaved round by round, so drift on a shared machine
+hits every configuration alike. One thread. A process runs three real ``Trainer`` steps of the JPEG
+reward on the same prompts; the second (warm caches) is timed and split into phases by wrapping the
+module's own methods, the third measures memory:
+
+* ``sample``: the rollout's transformer calls and SDE math (in the fused mode: with grad at the kept steps),
+* ``kl ref``: the adapter-off reference forwards (taken inside the rollout, ``--kl-beta`` > 0),
+* ``decode`` / ``reward``: the VAE and the reward,
+* ``update``: the window gradients (forwards with grad, backward passes) and ``optim``: the optimizer step.
+
+Reported: min and median of process CPU time (the number to compare on a shared machine), median wall
+time, the ratio of the median CPU time to exact's, the share of each phase, the transformer passes the
+module logged, and the peak of the activations autograd holds for backward during the step (every
+tensor saved for backward, frozen weights excluded, counted from pack to release by saved-tensor hooks:
+the device-independent part of peak memory; the hooks' Python cost is why this is a separate step).
+Not a test: run it by hand:
+
+    python benchmarks/whole_step.py --model tiny --repeats 3
+    python benchmarks/whole_step.py --model 14m --repeats 3 [--kl-beta 0.04]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONFIGS = {
+    "exact": dict(jagg_frac=0.0),
+    "W=4": dict(window_size=4, jagg_frac=1.0),
+    "W=4 chained": dict(window_size=4, jagg_frac=1.0, chained=True),
+    "W=8": dict(window_size=8, jagg_frac=1.0),
+}
+KL_CONFIGS = {  # with --kl-beta > 0 only: the approximation of docs/method.md section 7
+    "W=4 interpolated ref": dict(window_size=4, jagg_frac=1.0, interpolate_reference=True),
+}
+PHASES = ("sample", "kl ref", "decode", "reward", "update", "optim")
+
+
+def build_14m(path: Path) -> None:
+    """The tiny pipeline with a 14M-parameter SD3 transformer (6 joint blocks of width 256) in its place."""
+    from diffusers import SD3Transformer2DModel
+
+    from jagg_lightning.policies.sd3 import build_tiny_sd3_pipeline
+
+    pipe = build_tiny_sd3_pipeline(0)
+    pipe.transformer = SD3Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=6, attention_head_dim=32,
+        num_attention_heads=8, joint_attention_dim=32, caption_projection_dim=256, pooled_projection_dim=32,
+        pos_embed_max_size=16,
+    )
+    pipe.save_pretrained(path)
+
+
+class SavedTensorPeak:
+    """The peak bytes of tensors held by autograd graphs (saved for backward) while active."""
+
+    class _Held:
+        __slots__ = ("tensor", "__weakref__")
+
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+    def __init__(self, exclude: set[int]):
+        self.exclude, self.live, self.peak = exclude, 0, 0
+
+    def _release(self, size: int) -> None:
+        self.live -= size
+
+    def pack(self, t):
+        import weakref
+
+        if t.untyped_storage().data_ptr() in self.exclude:
+            return t
+        held, size = self._Held(t), t.numel() * t.element_size()
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(held, self._release, size)
+        return held
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, SavedTensorPeak._Held) else held
+
+
+def child(args) -> None:
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    from jagg_lightning.data import PromptDataModule
+    from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+    from jagg_lightning.policies import PolicyConfig
+
+    torch.set_num_threads(1)
+    module = JAGGModule(
+        PolicyConfig(pretrained=args.pretrained, lora_rank=8, lora_alpha=16, guidance_scale=args.guidance,
+                     max_sequence_length=4),
+        SamplingConfig(num_steps=args.steps + 1, group_size=args.samples // 2, rollout_batch_size=args.samples),
+        GRPOConfig(train_batch_size=args.samples, kl_beta=args.kl_beta),
+        JAGGConfig(**({"window_size": 4} | (CONFIGS | KL_CONFIGS)[args.config] | {"fused_rollout": args.fused})),
+        reward="jpeg_compressibility",
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
+    )
+    module.configure_model()
+    spent = {p: [0.0, 0.0] for p in PHASES}
+
+    def timed(obj, name, phase):
+        inner = getattr(obj, name)
+
+        def wrapper(*a, **kw):
+            cpu, wall = time.process_time(), time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                spent[phase][0] += time.process_time() - cpu
+                spent[phase][1] += time.perf_counter() - wall
+
+        setattr(obj, name, wrapper)
+
+    for obj, name, phase in [(module.policy, "decode", "decode"), (module, "score", "reward"),
+                             (module, "reference_velocity", "kl ref"), (module, "engine_pass", "update"),
+                             (module, "_optimizer_step", "optim")]:
+        timed(obj, name, phase)
+
+    weights = {p.untyped_storage().data_ptr() for p in module.policy.parameters()}
+
+    class StepTimer(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            for p in spent:
+                spent[p] = [0.0, 0.0]
+            if batch_idx == 2:  # the memory step
+                self.tracker = SavedTensorPeak(weights)
+                self.hooks = torch.autograd.graph.saved_tensors_hooks(self.tracker.pack, self.tracker.unpack)
+                self.hooks.__enter__()
+            self.cpu, self.wall = time.process_time(), time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 1:
+                self.result = dict(cpu=time.process_time() - self.cpu, wall=time.perf_counter() - self.wall,
+                                   phases={p: v[0] for p, v in spent.items()},
+                                   passes={k[len("train/passes/"):]: float(v) for k, v in trainer.callback_metrics.items()
+                                           if k.startswith("train/passes/")})
+            if batch_idx == 2:
+                self.hooks.__exit__(None, None, None)
+                self.result["activation_peak_mb"] = self.tracker.peak / 2**20
+
+    timer = StepTimer()
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+    prompts = [f"prompt {i}" for i in range(2)]
+    trainer.fit(module, PromptDataModule(prompts=prompts * 3, batch_size=2, shuffle=False))
+    result = timer.result
+    result["phases"]["sample"] = result["cpu"] - sum(v for p, v in result["phases"].items() if p != "sample")
+    print("RESULT " + json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=("tiny", "14m"), default="tiny")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=8, help="samples per step (2 prompts x samples/2)")
+    parser.add_argument("--steps", type=int, default=16, help="trained steps (sampling steps - 1)")
+    parser.add_argument("--guidance", type=float, default=1.0)
+    parser.add_argument("--kl-beta", type=float, default=0.0)
+    parser.add_argument("--json", type=Path, help="write the raw results here")
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--fused", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pretrained", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.config:
+        return child(args)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pretrained = None
+        if args.model == "14m":
+            pretrained = str(Path(tmp) / "sd3-14m")
+            build_14m(Path(pretrained))
+        names = list(CONFIGS) + (list(KL_CONFIGS) if args.kl_beta > 0 else [])
+        runs = [(name, fused) for name in names for fused in (False, True)]
+        results = {run: [] for run in runs}
+        for _ in range(args.repeats):
+            for name, fused in runs:
+                cmd = [sys.executable, __file__, "--config", name, "--samples", str(args.samples), "--steps",
+                       str(args.steps), "--guidance", str(args.guidance), "--kl-beta", str(args.kl_beta)]
+                cmd += ["--fused"] if fused else []
+                cmd += ["--pretrained", pretrained] if pretrained else []
+                out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+                line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+                if out.returncode or not line:
+                    raise SystemExit(f"{name} fused={fused} failed:\n{out.stderr[-3000:]}")
+                results[(name, fused)].append(json.loads(line[0][len("RESULT "):]))
+    report(args, results)
+    if args.json:
+        args.json.write_text(json.dumps({f"{n} {'fused' if f else 'unfused'}": r for (n, f), r in results.items()},
+                                        indent=1))
+
+
+def report(args, results) -> None:
+    import torch
+
+    base = statistics.median(r["cpu"] for r in results[("exact", False)])
+    print(f"{args.model}: {args.samples} samples, {args.steps} trained steps, kl_beta {args.kl_beta}, guidance "
+          f"{args.guidance}, torch {torch.__version__}, 1 thread, {args.repeats} repeats (one process each)")
+    head = " | ".join(f"{p} %" for p in PHASES)
+    print(f"| configuration | CPU s min | CPU s median | wall s median | vs exact | {head} | backward | grad fwd "
+          f"| fused fwd | ref fwd | activation peak MB |")
+    print("|" + "---|" * (10 + len(PHASES)))
+    for (name, fused), rs in results.items():
+        cpu = sorted(r["cpu"] for r in rs)
+        med = statistics.median(cpu)
+        shares = " | ".join(f"{100 * statistics.median(r['phases'][p] / r['cpu'] for r in rs):.0f}" for p in PHASES)
+        p = rs[0]["passes"]
+        print(f"| {name}{' fused' if fused else ''} | {cpu[0]:.3f} | {med:.3f} | "
+              f"{statistics.median(r['wall'] for r in rs):.3f} | {med / base:.2f} | {shares} | "
+              f"{p.get('backward', 0):.0f} | {p.get('grad_forward', 0):.0f} | {p.get('fused_forward', 0):.0f} | "
+              f"{p.get('reference_forward', 0):.0f} | {statistics.median(r['activation_peak_mb'] for r in rs):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
