@@ -958,12 +958,11 @@ class JAGGModule(L.LightningModule):
             adv = group_advantages(total.view(-1, K), "group", self.grpo.adv_eps, self.grpo.adv_clip,
                                    self.grpo.std_ddof).flatten()
             rewards.append(total), components.append(comps), advantages.append(adv)
-            mb = traj.select(part)  # views: the reference completed here is the trajectory's
+            mb, mb_cond = traj.select(part), batch_slice(cond, part)  # views: a completed reference is the trajectory's
             windows = self.route(mb, plan.windows)
-            self.complete_reference(mb, batch_slice(cond, part), windows, taken)
+            self.complete_reference(mb, mb_cond, windows, taken)
             n = adv.shape[0]
             kept = n if graph_samples is None else min(graph_samples, n)
-            mb_cond = batch_slice(cond, part)
             if self.grpo.skip_zero_advantage and self.grpo.kl_beta == 0 and not bool(adv.any()):
                 graphs.clear()  # all groups tied: a zero gradient, no backward (its forwards were the rollout's)
                 self.skipped_samples += n
