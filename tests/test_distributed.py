@@ -22,6 +22,10 @@ CASES = {
     "jagg-global-1mb": dict(jagg_frac=0.5, adv_std="global", kl_beta=0.0, train_batch_size=3),
     "exact-global-kl-2mb-2epochs": dict(jagg_frac=0.0, adv_std="global", kl_beta=0.5, train_batch_size=2,
                                         inner_epochs=2),
+    # the fused mode: one backward per rollout micro-batch (of one group), still one all-reduce per update;
+    # every window routed, so one process (two micro-batches) routes as the two ranks do
+    "fused-jagg-kl": dict(jagg_frac=1.0, adv_std="group", kl_beta=0.5, train_batch_size=3, rollout_batch_size=3,
+                          jagg={"fused_rollout": True}),
 }
 STEPS = 2
 CHECKPOINTED = "jagg-group-kl-2mb"  # run with policy gradient checkpointing on under DDP

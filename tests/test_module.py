@@ -24,13 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["a red cat", "a blue dog", "a green tree", "a yellow sun"]
 
 
-def make_module(seed, dtype="float32", jagg_frac=0.5, lr=1e-3, optimizer=None, **grpo):
+def make_module(seed, dtype="float32", jagg_frac=0.5, lr=1e-3, optimizer=None, rollout_batch_size=4, jagg=None, **grpo):
     policy = tiny_policy_config(dtype=dtype, seed=seed)
     module = JAGGModule(
         policy,
-        SamplingConfig(num_steps=8, group_size=3, seed=seed, rollout_batch_size=4),
+        SamplingConfig(num_steps=8, group_size=3, seed=seed, rollout_batch_size=rollout_batch_size),
         GRPOConfig(**({"train_batch_size": 6} | grpo)),
-        JAGGConfig(window_size=3, jagg_frac=jagg_frac),
+        JAGGConfig(**({"window_size": 3, "jagg_frac": jagg_frac} | (jagg or {}))),
         optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=lr)),
     )
     module.configure_model()
