@@ -17,7 +17,7 @@ from jagg_lightning.rewards import DigitReward, JpegCompressibility, WeightedRew
 from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.rewards.digits import prompt_digit
 from jagg_lightning.testbed import HELDOUT_TEMPLATES, INFO_PATH, PIPELINE_DIR, digit_prompts
-from jagg_lightning.testbed.evaluate import heldout_accuracy, module_from_config
+from jagg_lightning.testbed.evaluate import heldout_accuracy, module_from_config, sample_images
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "digits.yaml"
@@ -25,12 +25,27 @@ CONFIG = ROOT / "configs" / "digits.yaml"
 # and docs/testbed.md; the tests ask for a margin well inside it (chance is 0.10).
 CHANCE = 0.10
 MARGIN = 0.20
-# The fine-tune check: a short run of configs/digits.yaml must train (LoRA moves, rewards stay finite)
-# without losing held-out prompt following. Whether it *raises* accuracy is a 3-seed measurement, not a
-# 1-seed test: at this learning rate 20 steps move held-out reward by about +-0.02 from seed to seed
-# (measured: 0.496 -> 0.521 on one seed, 0.445 -> 0.442 on another); benchmarks/README.md has the
-# 3-seed curves.
-FINETUNE_STEPS = 12
+# The fine-tune check (test_short_jagg_finetune_raises_heldout_reward_and_accuracy): FINETUNE_STEPS of
+# configs/digits.yaml with its own settings (16 prompts x 8 samples per step, lr 1e-3, the first 4 SDE steps
+# trained as one JAGG window) for each of FINETUNE_SEEDS fresh seeds; held-out reward and accuracy on the
+# same fixed sampling noise (EVAL_SAMPLES per held-out prompt, 240 samples) before and after, so each gain
+# is paired: an unchanged model scores exactly the same.
+# Measured with this very procedure (2026-12-01, one thread, 16 random base seeds x 3 = 48 runs, about
+# 33 s each), gain after 30 steps: held-out reward +0.103 +- 0.024 per seed (min +0.037), 3-seed means
+# +0.074 to +0.123; held-out accuracy +0.110 +- 0.030 per seed (min +0.042), 3-seed means +0.068 to +0.126.
+# Thresholds: a 3-seed mean gain of 0.05 in both is 3.9 (reward) and 3.5 (accuracy) standard deviations
+# of the 3-seed mean below the measured mean, and each seed's reward gain > 0 is 4.4 sd below it.
+# Evaluation noise: a paired gain that is pure sampling noise (the fine-tuned model no better, only
+# different on the discordant samples) has std sqrt(#discordant) / 240 ~ 0.023-0.03 per seed here,
+# 0.016 for the 3-seed mean in a test run (a per-prompt bootstrap gives a little more, 0.023-0.04 per
+# seed; reward 0.02-0.03), so 0.05 is ~3 of those; the test also checks the accuracy gain against 3x the
+# noise of its own run.
+FINETUNE_STEPS = 30
+EVAL_SAMPLES = 8
+FINETUNE_SEEDS = 3
+MIN_MEAN_REWARD_GAIN = 0.05
+MIN_MEAN_ACCURACY_GAIN = 0.05
+MIN_SEED_REWARD_GAIN = 0.0
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -154,25 +169,47 @@ def test_training_info_records_the_recipe():
     assert len(per_digit) == 10 and CHANCE < info["base_heldout_ode"]["accuracy"] < 1.0
 
 
-def test_short_jagg_finetune_trains_and_keeps_heldout_accuracy(rng_seed):
-    """A short JAGG run of configs/digits.yaml (W = 4, jagg_frac 0.5) on DigitReward, fresh seeds for the
-    rollouts and LoRA init; held-out reward and accuracy are measured before and after on the same
-    sampling seeds. The 3-seed accuracy measurement is in benchmarks/README.md (fidelity study)."""
-    from jagg_lightning.callbacks import DigitAccuracy
+def test_short_jagg_finetune_raises_heldout_reward_and_accuracy(rng_seed, reward):
+    """A short JAGG run of configs/digits.yaml on DigitReward raises held-out prompt following, over 3 fresh
+    seeds (rollouts, LoRA init, prompt order and the evaluation noise all drawn from each seed).
 
-    seed = rng_seed % 10_000
-    L.seed_everything(seed, verbose=False)
-    module, cfg = module_from_config(CONFIG, seed=seed)
-    accuracy = DigitAccuracy(every_n_steps=FINETUNE_STEPS, samples_per_prompt=2, seed=seed + 1)
-    trainer = L.Trainer(max_steps=FINETUNE_STEPS, accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[accuracy])
-    prompts = read_prompts(ROOT / cfg["data"]["prompts_file"])
-    lora_before = [p.detach().clone() for p in module.policy.lora_parameters()]
-    trainer.fit(module, PromptDataModule(prompts=prompts, batch_size=cfg["data"]["batch_size"], seed=seed))
-    moved = max(float((p - q).abs().max()) for p, q in zip(module.policy.lora_parameters(), lora_before))
-    assert moved > 0, "the LoRA did not train"
-    (_, before, reward_before), (_, after, reward_after) = accuracy.history[0], accuracy.history[-1]
-    print(f"held-out accuracy {before:.3f} -> {after:.3f}, reward {reward_before:.3f} -> {reward_after:.3f}")
-    assert reward_after >= reward_before - 0.05
-    assert after >= before - 0.1  # 60 samples: accuracy moves in steps of 1/60
+    Held-out = the 3 templates GRPO never sees x 10 digits, EVAL_SAMPLES ODE samples each with fixed noise:
+    the base model (adapter off) and the fine-tuned one see the same noise, so a gain is a paired difference.
+    Margins and the measured distribution behind them: the comment above FINETUNE_STEPS."""
+    prompts = digit_prompts(HELDOUT_TEMPLATES)
+    per_sample = [p for p in prompts for _ in range(EVAL_SAMPLES)]
+
+    def heldout(module, seed, adapter):
+        images = sample_images(module, prompts, EVAL_SAMPLES, seed, adapter=adapter)
+        return reward.correct(images, per_sample).float(), reward(images, per_sample)
+
+    reward_gains, accuracy_gains, discordant = [], [], 0
+    for i in range(FINETUNE_SEEDS):
+        seed = (rng_seed + 7919 * i) % 100_000
+        L.seed_everything(seed, verbose=False)
+        module, cfg = module_from_config(CONFIG, seed=seed)
+        correct_before, reward_before = heldout(module, seed + 1, adapter=False)
+        trainer = L.Trainer(max_steps=FINETUNE_STEPS, accelerator="cpu", devices=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        train_prompts = read_prompts(ROOT / cfg["data"]["prompts_file"])
+        lora_before = [p.detach().clone() for p in module.policy.lora_parameters()]
+        trainer.fit(module, PromptDataModule(prompts=train_prompts, batch_size=cfg["data"]["batch_size"], seed=seed))
+        moved = max(float((p.detach() - q).abs().max()) for p, q in zip(module.policy.lora_parameters(), lora_before))
+        assert moved > 0, "the LoRA did not train"
+        correct_after, reward_after = heldout(module, seed + 1, adapter=True)
+        reward_gains.append(float(reward_after.mean() - reward_before.mean()))
+        accuracy_gains.append(float(correct_after.mean() - correct_before.mean()))
+        discordant += int((correct_after != correct_before).sum())
+        print(f"seed {seed}: held-out accuracy {float(correct_before.mean()):.3f} -> "
+              f"{float(correct_after.mean()):.3f}, reward {float(reward_before.mean()):.4f} -> "
+              f"{float(reward_after.mean()):.4f}")
+    mean_reward_gain = sum(reward_gains) / FINETUNE_SEEDS
+    mean_accuracy_gain = sum(accuracy_gains) / FINETUNE_SEEDS
+    # std of the 3-seed mean accuracy gain if every discordant sample were a fair coin (no real change)
+    noise = discordant ** 0.5 / (FINETUNE_SEEDS * len(per_sample))
+    print(f"3-seed mean gains: reward {mean_reward_gain:+.4f}, accuracy {mean_accuracy_gain:+.3f} "
+          f"(evaluation-noise std {noise:.3f})")
+    assert mean_reward_gain >= MIN_MEAN_REWARD_GAIN, reward_gains
+    assert mean_accuracy_gain >= MIN_MEAN_ACCURACY_GAIN, accuracy_gains
+    assert mean_accuracy_gain >= 3 * noise, (accuracy_gains, noise)
+    assert min(reward_gains) > MIN_SEED_REWARD_GAIN, reward_gains
