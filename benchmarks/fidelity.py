@@ -1,7 +1,7 @@
 """Does JAGG train a *trained* model as well as exact GRPO? The fidelity study on the digits test bed.
 
 On the shipped pretrained digits SD3 (``jagg_lightning/testbed``), with the settings of
-``configs/digits.yaml`` (its ``model`` section), for each seed, all in one process, one thread:
+``configs/digits_fidelity.yaml`` (its ``model`` section; all 9 SDE steps trained), for each seed, all in one process, one thread:
 
 1. training curves: exact GRPO (jagg_frac 0) and JAGG settings trained side by side from the same
    LoRA init, prompts and rollout noise; per optimizer step the training reward (DigitReward, the mean
@@ -303,7 +303,7 @@ def tables(result: dict) -> str:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="exact GRPO vs JAGG on the pretrained digits model")
-    parser.add_argument("--config", default=str(ROOT / "configs" / "digits.yaml"))
+    parser.add_argument("--config", default=str(ROOT / "configs" / "digits_fidelity.yaml"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))

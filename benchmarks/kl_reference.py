@@ -1,7 +1,7 @@
 """How much does ``jagg.interpolate_reference`` (the KL reference interpolated inside routed windows) cost in
 accuracy? Measured on the pretrained digits test bed (docs/testbed.md), 3 seeds.
 
-Per seed: a short fine-tune of configs/digits.yaml with kl_beta 0.04 (so theta has moved away from the
+Per seed: a short fine-tune of configs/digits_fidelity.yaml (all 9 SDE steps trained) with kl_beta 0.04 (so theta has moved away from the
 reference), then a fresh rollout with every reference velocity taken, W = 4 windows all routed, and
 
 * the error of the interpolated reference at interior steps, relative to the reference itself and
@@ -58,7 +58,7 @@ def measure(seed: int, train_steps: int) -> dict:
     from jagg_lightning.testbed.evaluate import module_from_config
 
     torch.manual_seed(seed)
-    module, _ = module_from_config(ROOT / "configs/digits.yaml", seed=seed, window_size=4, jagg_frac=1.0)
+    module, _ = module_from_config(ROOT / "configs/digits_fidelity.yaml", seed=seed, window_size=4, jagg_frac=1.0)
     module.grpo.kl_beta = 0.04
     prompts = read_prompts(ROOT / "configs/prompts/digits.txt")
     trainer = L.Trainer(max_steps=train_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
