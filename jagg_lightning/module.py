@@ -453,7 +453,7 @@ class JAGGModule(L.LightningModule):
         self.gradient_all_reduces = 0  # in the last training step: one per optimizer update under DDP
         self.reference_forwards = 0  # adapter-off forwards (of a micro-batch) in the last training step
         self._sharded = False  # FSDP2 applied by configure_model
-        self._activation_bytes: dict[tuple, int] = {}  # per guidance scale: see activation_bytes()
+        self._activation_bytes: dict[float, int] = {}  # per guidance scale: see activation_bytes()
 
     def _trainable_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
@@ -708,25 +708,28 @@ class JAGGModule(L.LightningModule):
         backward (frozen weights excluded, shared storage counted once): the unit of
         ``jagg.memory_budget_mb``. Activations grow linearly with the samples in a pass (``samples`` > 1
         measures a pass of that many, uncached)."""
-        key = (float(self.policy.config.guidance_scale), samples)
+        if samples > 1:
+            return self._measure_activation_bytes(samples)
+        key = float(self.policy.config.guidance_scale)
         if key not in self._activation_bytes:
-            weights = {p.untyped_storage().data_ptr() for p in self.policy.parameters()}
-            seen: dict[int, int] = {}
-
-            def pack(t: Tensor):
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in weights:
-                    seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-                return t
-
-            cond = tuple(c[:1].repeat_interleave(samples, dim=0) for c in self.encode(["a"]))
-            z = torch.randn(samples, *self.policy.latent_shape, generator=torch.Generator().manual_seed(0))
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                self.policy.velocity(z.to(self.device), torch.full((samples,), 0.5, device=self.device), cond)
-            if samples > 1:
-                return sum(seen.values())
-            self._activation_bytes[key] = sum(seen.values())
+            self._activation_bytes[key] = self._measure_activation_bytes(1)
         return self._activation_bytes[key]
+
+    def _measure_activation_bytes(self, samples: int) -> int:
+        weights = {p.untyped_storage().data_ptr() for p in self.policy.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t: Tensor):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in weights:
+                seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+            return t
+
+        cond = tuple(c[:1].repeat_interleave(samples, dim=0) for c in self.encode(["a"]))
+        z = torch.randn(samples, *self.policy.latent_shape, generator=torch.Generator().manual_seed(0))
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            self.policy.velocity(z.to(self.device), torch.full((samples,), 0.5, device=self.device), cond)
+        return sum(seen.values())
 
     def pass_plan(self, samples: int, windows: list[Window]) -> tuple[int, bool]:
         """(samples per pass, split anchors) for ``samples`` over the routed ``windows`` under
@@ -955,8 +958,7 @@ class JAGGModule(L.LightningModule):
 
         def update_micro_batch(part: slice, final: Tensor, traj: Trajectory) -> None:
             total, comps = self.score(self.policy.decode(final), sample_prompts[part])
-            adv = group_advantages(total.view(-1, K), "group", self.grpo.adv_eps, self.grpo.adv_clip,
-                                   self.grpo.std_ddof).flatten()
+            adv = self.advantages(total)  # group std (check_fused): this micro-batch's groups alone
             rewards.append(total), components.append(comps), advantages.append(adv)
             mb, mb_cond = traj.select(part), batch_slice(cond, part)  # views: a completed reference is the trajectory's
             windows = self.route(mb, plan.windows)
