@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from jagg_lightning.io import atomic_directory
+from jagg_lightning.sharding import full_tensor
 
 PEFT_DIR = "peft"
 DIFFUSERS_DIR = "diffusers"
@@ -35,10 +36,12 @@ PEFT_KEY_PREFIX = "base_model.model."  # what PeftModel puts in front of the wra
 
 
 def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
-    """The adapter's weights in PEFT naming relative to the transformer (no adapter name), contiguous CPU copies."""
+    """The adapter's weights in PEFT naming relative to the transformer (no adapter name), whole contiguous
+    CPU copies. Under FSDP2 this gathers the shards: call it on every rank."""
     from peft.utils import get_peft_model_state_dict
 
-    return {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
+    return {k: full_tensor(v.detach()).to("cpu", copy=True).contiguous()
+            for k, v in get_peft_model_state_dict(transformer).items()}
 
 
 def adapter_identity(policy) -> dict:
@@ -61,14 +64,16 @@ def identity_mismatch(saved: dict, current: dict) -> list[str]:
     return [f"{k}: checkpoint {saved[k]!r}, this module {current.get(k)!r}" for k in saved if saved[k] != current.get(k)]
 
 
-def save_adapter(policy, target: str | Path, step: int | None = None) -> Path:
+def save_adapter(policy, target: str | Path, step: int | None = None,
+                 weights: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the policy's current adapter in both formats (see the module docstring) under ``target``;
-    ``step`` (the trainer's global step) is recorded in ``adapter.json``."""
+    ``step`` (the trainer's global step) is recorded in ``adapter.json``. ``weights``: the
+    :func:`lora_state_dict` to write, if already gathered (under FSDP2 every rank gathers, one writes)."""
     transformer = policy.transformer
     config = copy.deepcopy(transformer.peft_config["default"])
     if getattr(policy.config, "pretrained", None) is not None:
         config.base_model_name_or_path = str(policy.config.pretrained)
-    weights = lora_state_dict(transformer)
+    weights = lora_state_dict(transformer) if weights is None else weights
     with atomic_directory(target) as tmp:
         peft_dir = tmp / PEFT_DIR
         config.save_pretrained(str(peft_dir))

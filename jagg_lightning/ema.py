@@ -11,6 +11,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from jagg_lightning.sharding import full_tensor, shard_like
+
 
 class LoRAEMA:
     """Shadow copies of named parameters; :meth:`applied` swaps them in temporarily."""
@@ -20,6 +22,10 @@ class LoRAEMA:
             raise ValueError(f"ema_decay must be in (0, 1), got {decay}")
         self.decay = decay
         self.params = dict(named_params)
+        self.reset()
+
+    def reset(self) -> None:
+        """Start the average at the parameters' current values."""
         self.shadow = {n: p.detach().clone() for n, p in self.params.items()}
 
     @torch.no_grad()
@@ -41,11 +47,12 @@ class LoRAEMA:
                 p.copy_(backup[name])
 
     def state_dict(self) -> dict[str, Tensor]:
-        return {n: t.clone() for n, t in self.shadow.items()}
+        """Whole tensors (under FSDP2 the shards are gathered: every rank calls this)."""
+        return {n: full_tensor(t).clone() for n, t in self.shadow.items()}
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         missing = set(self.shadow) - set(state)
         if missing:
             raise KeyError(f"EMA state lacks {sorted(missing)[:3]}... ({len(missing)} weights)")
         for name, t in self.shadow.items():
-            t.copy_(state[name])
+            t.copy_(shard_like(state[name], t))

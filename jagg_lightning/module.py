@@ -438,6 +438,7 @@ class JAGGModule(L.LightningModule):
         # the policy and the EMA of its LoRA are built in configure_model; windows need only the config
         self.ema_decay = ema_decay
         self.ema: LoRAEMA | None = None
+        self._ema_restored = False  # set when a checkpoint's EMA state is loaded
         self._schedules: dict[tuple, Tensor] = {}
         self.trained_steps = self.sampling.trainable_steps  # every step a rollout may train
         self.plan = self.plan_rollout(0)  # of the last rollout (callbacks read it, and ``windows``)
@@ -1222,7 +1223,13 @@ class JAGGModule(L.LightningModule):
         return _IncompatibleKeys(missing, list(result.unexpected_keys))
 
     def on_fit_start(self) -> None:
-        if self.ema is not None:  # the shadow follows the parameters' device
+        if self.ema is None:
+            return
+        if self.global_step == 0 and not self._ema_restored:
+            # a new run: the average starts from the weights training starts with (also a LoRA the user
+            # loaded or set after configure_model), on their device
+            self.ema.reset()
+        else:  # resumed: the restored shadow follows the parameters' device
             self.ema.shadow = {n: t.to(self.ema.params[n].device) for n, t in self.ema.shadow.items()}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -1256,6 +1263,7 @@ class JAGGModule(L.LightningModule):
         extra = checkpoint.get("jagg", {})
         if self.ema is not None and extra.get("ema") is not None:
             self.ema.load_state_dict(extra["ema"])
+            self._ema_restored = True
         rng = extra.get("rng")
         if rng:
             torch.set_rng_state(rng["torch"])

@@ -30,6 +30,8 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from jagg_lightning.sharding import full_tensor
+
 
 def transformer_blocks(transformer: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a diffusers transformer: every entry of its ``*blocks`` ModuleLists
@@ -74,13 +76,11 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The trainable (LoRA) weights, full, on rank 0; every rank takes part in each gather."""
-        from torch.distributed.tensor import DTensor
-
         state = {}
         for name, p in self.lightning_module.named_parameters():
             if not p.requires_grad:
                 continue
-            full = p.full_tensor() if isinstance(p, DTensor) else p
+            full = full_tensor(p)
             if self.global_rank == 0:
                 state[name] = full.detach().cpu().clone()
         return state

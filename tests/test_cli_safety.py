@@ -141,8 +141,13 @@ def test_printed_config_is_complete_and_reruns(tmp_path, capsys):
 def cli_run(tmp_path_factory):
     """`jagg fit` of the small config with validation every step: shared by the tests below."""
     root = tmp_path_factory.mktemp("cli_run")
-    config = write(root / "run.yaml", small_config(root, **{"trainer.val_check_interval": 1}))
-    cli = cli_main(["fit", "--config", str(config)])
+    config = small_config(root, **{"trainer.val_check_interval": 1})
+    config["trainer"]["logger"].append({"class_path": "lightning.pytorch.loggers.MLFlowLogger",
+                                        "init_args": {"tracking_uri": f"file:{root / 'mlruns'}"}})
+    config = write(root / "run.yaml", config)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3 wants a database unless told; a test has none
+        cli = cli_main(["fit", "--config", str(config)])
     return root, config, cli
 
 
@@ -165,7 +170,16 @@ def test_fit_validates_logs_every_component_and_images_to_tensorboard(cli_run):
     own = cli.trainer.loggers[1].images  # and any other logger that takes images
     assert {"val/samples", "routing"} <= set(own)
     with Image.open(grids[-1]) as img:
-        assert np.array_equal(own["val/samples"][-1], np.asarray(img.convert("RGB")))
+        last_grid = np.asarray(img.convert("RGB"))
+    assert np.array_equal(own["val/samples"][-1], last_grid)
+    mlflow = cli.trainer.loggers[2]  # MLflow: a PNG artifact of the logger's own run per image logged
+    artifacts = Path(mlflow.save_dir) / mlflow.experiment_id / mlflow.run_id / "artifacts" / "images"
+    for key in ("val/samples", "routing"):
+        assert len(list(artifacts.glob(f"{key.replace('/', '_')}+step+*.png"))) == len(own[key]), key
+    last_step = cli.trainer.global_step
+    [logged] = artifacts.glob(f"val_samples+step+{last_step}+*[0-9a-f].png")
+    with Image.open(logged) as img:
+        assert np.array_equal(np.asarray(img.convert("RGB")), last_grid)
 
 
 def test_saved_config_reruns(cli_run, tmp_path):

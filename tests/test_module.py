@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["a red cat", "a blue dog", "a green tree", "a yellow sun"]
 
 
-def make_module(seed, dtype="float32", jagg_frac=0.5, lr=1e-3, optimizer=None, rollout_batch_size=4, jagg=None, **grpo):
+def make_module(seed, dtype="float32", jagg_frac=0.5, lr=1e-3, optimizer=None, rollout_batch_size=4, jagg=None,
+                ema_decay=None, **grpo):
     policy = tiny_policy_config(dtype=dtype, seed=seed)
     module = JAGGModule(
         policy,
@@ -32,6 +33,7 @@ def make_module(seed, dtype="float32", jagg_frac=0.5, lr=1e-3, optimizer=None, r
         GRPOConfig(**({"train_batch_size": 6} | grpo)),
         JAGGConfig(**({"window_size": 3, "jagg_frac": jagg_frac} | (jagg or {}))),
         optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=lr)),
+        ema_decay=ema_decay,
     )
     module.configure_model()
     randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))

@@ -29,10 +29,11 @@ class LoRAExport(L.Callback):
         return Path(self.dirpath or Path(trainer.default_root_dir) / "lora")
 
     def _export(self, trainer, pl_module, name: str) -> Path | None:
+        with pl_module.inference_weights():
+            weights = lora_state_dict(pl_module.policy.transformer)  # every rank: FSDP2 gathers its shards
         if not trainer.is_global_zero:
             return None
-        with pl_module.inference_weights():
-            return export_lora(pl_module.policy, self._root(trainer) / name, step=trainer.global_step)
+        return export_lora(pl_module.policy, self._root(trainer) / name, step=trainer.global_step, weights=weights)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         self._export(trainer, pl_module, "last")
