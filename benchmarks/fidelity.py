@@ -56,12 +56,11 @@ def spearman(x: list[float], y: list[float]) -> float:
 def gradient_fidelity(module, prompts: list[str], indices: list[int], step: int, windows: list[int]) -> list[dict]:
     """Exact vs JAGG per window and per GRPO group on a fresh rollout at the current theta."""
     from jagg_lightning.batching import batch_slice
-    from jagg_lightning.grpo import group_advantages
     from jagg_lightning.jagg import check_window_gradients, cosine_score, interpolation_residual, plan_windows
 
     traj, cond, _, rewards, _ = module.rollout_and_score(prompts, indices, 10_000 + step)
     K = module.sampling.group_size
-    adv = group_advantages(rewards.view(-1, K), module.grpo.adv_std, adv_clip=module.grpo.adv_clip).flatten()
+    adv = module.advantages(rewards)  # the config's grpo settings
     params = module.policy.lora_parameters()
     rows = []
     for g in range(len(prompts)):

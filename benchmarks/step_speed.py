@@ -15,7 +15,6 @@ import time
 
 import torch
 
-from jagg_lightning.grpo import group_advantages
 from jagg_lightning.jagg import accumulate_gradients
 from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.policies import PolicyConfig
@@ -43,7 +42,7 @@ def build(jagg: dict, args) -> JAGGModule:
 
 def update_once(module: JAGGModule, rollout) -> tuple[float, dict]:
     traj, cond, _, rewards, _ = rollout
-    adv = group_advantages(rewards.view(-1, module.sampling.group_size)).flatten()
+    adv = module.advantages(rewards)
     module.route(traj)
     loss_of_step = module.step_loss_fn(traj, adv, None, 1.0 / len(module.trained_steps), [])
     cache = traj.velocities if module.jagg.cache_interior else None  # theta = theta_old: first update

@@ -106,7 +106,7 @@ def child(args) -> None:
         PolicyConfig(pretrained=args.pretrained, lora_rank=8, lora_alpha=16, guidance_scale=args.guidance,
                      max_sequence_length=4),
         SamplingConfig(num_steps=args.steps + 1, group_size=args.samples // 2, rollout_batch_size=args.samples),
-        GRPOConfig(train_batch_size=args.samples, kl_beta=args.kl_beta),
+        GRPOConfig(train_batch_size=args.samples, kl_beta=args.kl_beta, adv_std="group"),  # as measured; fused needs it
         JAGGConfig(**({"window_size": 4} | (CONFIGS | KL_CONFIGS)[args.config] | {"fused_rollout": args.fused})),
         reward="jpeg_compressibility",
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),

@@ -65,7 +65,7 @@ def global_reward_std(rewards: Tensor, ddof: int = 1, all_reduce: AllReduce | No
 
 def group_advantages(
     rewards: Tensor,
-    std: Literal["group", "global"] = "group",
+    std: Literal["group", "global"] = "global",
     eps: float = 1e-4,
     adv_clip: float = 5.0,
     ddof: int = 0,
@@ -73,6 +73,8 @@ def group_advantages(
 ) -> Tensor:
     """Advantages for rewards laid out [groups, K]; returns the same shape.
 
+    Each group is centred on its own mean; ``std`` "global" (Flow-GRPO's default ``global_std``)
+    divides by the std of every reward, "group" by the group's own.
     ``ddof`` is the std's delta degrees of freedom (0: np.std, Flow-GRPO; 1: unbiased, DanceGRPO).
     A group whose rewards are all equal gets exactly zero (set explicitly: a float mean of equal
     values need not equal them). With ``std="global"``, ``all_reduce`` (a sum over processes) makes

@@ -75,7 +75,7 @@ class SamplingConfig:
     SDE window (Flow-GRPO-Fast / MixGRPO): with ``sde_window_size`` set, only that many consecutive steps
     are stochastic (``step_kind``) and trained, every other step is ODE; the window lies inside
     ``sde_window_range`` = [lo, hi) and its start is drawn per rollout (``sde_window_schedule`` "random")
-    or slides by ``sde_window_stride`` every ``sde_window_shift_every`` optimizer steps ("progressive").
+    or slides by ``sde_window_stride`` every ``sde_window_shift_every`` rollouts ("progressive", MixGRPO).
     ``window_fraction``: the share of JAGG windows trained per rollout, drawn at random (DanceGRPO's
     ``timestep_fraction`` at window granularity). ``train_guidance_scale`` overrides ``policy.guidance_scale``
     in rollouts and training; 1.0 = no guidance (Flow-GRPO's CFG-free training; evaluation keeps
@@ -165,6 +165,8 @@ class GRPOConfig:
     normalisation, inner epochs over each rollout, samples per micro-batch, micro-batches per optimizer
     step (None = one step per inner epoch) and the gradient-norm clip (None = off).
 
+    ``adv_std``: "global" (Flow-GRPO's default ``sample.global_std``: each group's mean, the std of every
+    reward of the step over all processes) or "group" (the group's own std, DanceGRPO).
     ``kl_convention``: "flow_grpo" divides the KL by 2 sigma_k^2 (Flow-GRPO), "exact" by 2 s_k^2.
     ``std_ddof``: 0 (np.std, Flow-GRPO) or 1 (unbiased, DanceGRPO) for the advantage std; ``adv_eps`` is
     added to it. ``skip_zero_advantage``: with kl_beta 0, samples whose advantage is exactly 0 (a group
@@ -173,7 +175,7 @@ class GRPOConfig:
     clip_range: float = 1e-4
     kl_beta: float = 0.0
     adv_clip: float = 5.0
-    adv_std: Literal["group", "global"] = "group"
+    adv_std: Literal["group", "global"] = "global"
     inner_epochs: int = 1
     train_batch_size: int = 8
     micro_batches_per_update: int | None = None
@@ -439,6 +441,7 @@ class JAGGModule(L.LightningModule):
         self.ema_decay = ema_decay
         self.ema: LoRAEMA | None = None
         self._ema_restored = False  # set when a checkpoint's EMA state is loaded
+        self.rollouts_done = 0  # training steps (rollouts) so far; global_step counts optimizer steps
         self._schedules: dict[tuple, Tensor] = {}
         self.trained_steps = self.sampling.trainable_steps  # every step a rollout may train
         self.plan = self.plan_rollout(0)  # of the last rollout (callbacks read it, and ``windows``)
@@ -516,8 +519,9 @@ class JAGGModule(L.LightningModule):
         """The step kinds of the last planned rollout."""
         return self.plan.step_kinds
 
-    def plan_rollout(self, step: int) -> RolloutPlan:
-        """Step kinds, SDE window and trained JAGG windows of the rollout at ``step`` (seeded, rank-free)."""
+    def plan_rollout(self, step: int, rollout: int | None = None) -> RolloutPlan:
+        """Step kinds, SDE window and trained JAGG windows of the rollout at ``step`` (seeded, rank-free);
+        ``rollout``: how many rollouts came before (the progressive SDE window counts them; default step)."""
         s = self.sampling
         if s.sde_window_size is None:
             stochastic = list(range(s.num_trained))
@@ -525,7 +529,7 @@ class JAGGModule(L.LightningModule):
             kinds = [s.step_kind if k < s.num_trained else after for k in range(s.num_steps)]
         else:
             start = sde_window_start(s.seed, step, s.sde_window_size, s.sde_window_range, s.sde_window_schedule,
-                                     s.sde_window_shift_every, s.sde_window_stride)
+                                     s.sde_window_shift_every, s.sde_window_stride, rollout)
             stochastic = list(range(start, start + s.sde_window_size))
             kinds = [s.step_kind if k in stochastic else "ode" for k in range(s.num_steps)]
         windows = plan_windows(stochastic, self.jagg.window_size, self.jagg.chained)
@@ -790,7 +794,7 @@ class JAGGModule(L.LightningModule):
     def _training_step(self, batch: dict, batch_idx: int) -> Tensor:
         prompts, indices = unpack_prompt_batch(batch)
         step = self.global_step
-        self.plan = plan = self.plan_rollout(step)
+        self.plan = plan = self.plan_rollout(step, self.rollouts_done)
         self.windows = plan.windows
         self.skipped_samples = 0
         self.gradient_all_reduces = 0
@@ -815,6 +819,7 @@ class JAGGModule(L.LightningModule):
         # every component under its own name, a single reward too (as well as train/reward_mean)
         self.log_dict({f"train/reward/{n}": c.mean().float() for n, c in components.items()},
                       batch_size=rewards.shape[0])
+        self.rollouts_done += 1
         return rewards.mean()
 
     def advantages(self, rewards: Tensor) -> Tensor:
@@ -1240,6 +1245,7 @@ class JAGGModule(L.LightningModule):
         checkpoint["jagg"] = {
             "adapter": adapter_identity(self.policy),
             "ema": None if self.ema is None else self.ema.state_dict(),
+            "rollouts": self.rollouts_done,
             "rng": {
                 "torch": torch.get_rng_state(),
                 "python": _python_rng_state_to_list(random.getstate()),
@@ -1261,6 +1267,7 @@ class JAGGModule(L.LightningModule):
                 "the same policy.lora_targets / lora_rank?"
             )
         extra = checkpoint.get("jagg", {})
+        self.rollouts_done = int(extra.get("rollouts", checkpoint.get("global_step", 0)))
         if self.ema is not None and extra.get("ema") is not None:
             self.ema.load_state_dict(extra["ema"])
             self._ema_restored = True

@@ -51,14 +51,17 @@ def sde_window_start(
     schedule: str = "random",
     shift_every: int = 25,
     stride: int = 1,
+    rollout: int | None = None,
 ) -> int:
     """First step of the SDE window of the rollout at ``step``; the window is start .. start + size - 1.
 
     ``window_range`` = (lo, hi): the window lies inside steps lo .. hi - 1, so start is in
     [lo, hi - window_size].
     ``"random"``: start uniform over that range, drawn from (seed, step) (Flow-GRPO-Fast).
-    ``"progressive"``: start = lo + stride * (step // shift_every), held at hi - window_size once it
-    gets there (MixGRPO's sliding window).
+    ``"progressive"``: start = lo + stride * (rollout // shift_every), held at hi - window_size once it
+    gets there (MixGRPO's sliding window, which moves every ``shift_every`` rollouts: its
+    ``iters_per_group`` counts ``train_one_step`` calls). ``rollout``: the number of rollouts before
+    this one (default ``step``: one optimizer step per rollout).
     """
     lo, hi = int(window_range[0]), int(window_range[1])
     last = hi - window_size
@@ -68,7 +71,7 @@ def sde_window_start(
         gen = torch.Generator().manual_seed(sample_seed(seed, step, _WINDOW_START_STREAM))
         return lo + int(torch.randint(last - lo + 1, (1,), generator=gen))
     if schedule == "progressive":
-        return min(lo + stride * (step // shift_every), last)
+        return min(lo + stride * ((step if rollout is None else rollout) // shift_every), last)
     raise ValueError(f"schedule must be 'random' or 'progressive', got {schedule!r}")
 
 

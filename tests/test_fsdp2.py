@@ -66,6 +66,16 @@ RANK_SCRIPT = textwrap.dedent('''
     trainer, weights = fit(build(), [LoRAExport(f"{out}/lora_resumed")], ckpt_path=f"{out}/ckpt/step=1.ckpt")
     if trainer.global_rank == 0:
         save_file(weights, f"{out}/fsdp_resumed.safetensors")
+    # the fused mode is refused under sharding, before anything trains
+    fused = make_module(seed, optimizer=sgd, rollout_batch_size=3, jagg={"fused_rollout": True},
+                        **(OPTIONS | {"adv_std": "group"}))
+    try:
+        fit(fused, [LoRAExport(f"{out}/unused")])
+    except ValueError as error:
+        assert "jagg.fused_rollout must be false under a sharded strategy" in str(error), error
+        print("fused refused")
+    else:
+        raise AssertionError("fused_rollout trained under FSDP2")
 ''')
 
 
@@ -90,7 +100,8 @@ def test_fsdp2_update_and_sharded_checkpoint_resume(tmp_path, rng_seed):
     seed = rng_seed % 10_000
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)
-    run_ranks(script, str(tmp_path), str(seed), timeout=300)
+    outputs = run_ranks(script, str(tmp_path), str(seed), timeout=300)
+    assert all("fused refused" in out for out in outputs)
     fsdp_final = load_file(tmp_path / "fsdp_final.safetensors")
     fsdp_resumed = load_file(tmp_path / "fsdp_resumed.safetensors")
 

@@ -19,7 +19,7 @@ def build(seed, fused, dtype="float64", rollout_batch_size=6, guidance=1.0, kl_b
     module = JAGGModule(
         tiny_policy_config(dtype=dtype, seed=seed, guidance_scale=guidance),
         SamplingConfig(num_steps=7, group_size=K, seed=seed, rollout_batch_size=rollout_batch_size),
-        GRPOConfig(train_batch_size=4, max_grad_norm=None, kl_beta=kl_beta),
+        GRPOConfig(train_batch_size=4, max_grad_norm=None, kl_beta=kl_beta, adv_std="group"),
         JAGGConfig(**({"window_size": 3, "fused_rollout": fused} | jagg)),
         optimizer=lambda p: torch.optim.SGD(p, lr=1.0),  # the update is minus the gradient
     )
@@ -80,7 +80,8 @@ def test_fused_disjoint_makes_no_forward_beyond_the_rollout(rng_seed):
     per micro-batch. Fused: the six pass steps (0 2 3 5 6 7) come from the rollout, ONE backward per
     micro-batch, and the interiors (1 4) from the rollout's velocities."""
     module = JAGGModule(tiny_policy_config(seed=rng_seed % 10_000), SamplingConfig(num_steps=9, group_size=K,
-                        rollout_batch_size=3), GRPOConfig(), JAGGConfig(window_size=3, jagg_frac=1.0, fused_rollout=True))
+                        rollout_batch_size=3), GRPOConfig(adv_std="group"),
+                        JAGGConfig(window_size=3, jagg_frac=1.0, fused_rollout=True))
     module.configure_model()
     _, passes = fit_once(module)
     micro_batches = len(PROMPTS) * K // 3
@@ -115,7 +116,7 @@ def test_kl_reference_is_taken_inside_the_rollout(rng_seed):
 def test_fused_refuses_what_it_cannot_serve(sampling, grpo, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.") + ".*fused_rollout") as info:
         JAGGModule(tiny_policy_config(), SamplingConfig(**({"group_size": 3, "rollout_batch_size": 6} | sampling)),
-                   GRPOConfig(**grpo), JAGGConfig(window_size=3, fused_rollout=True))
+                   GRPOConfig(**({"adv_std": "group"} | grpo)), JAGGConfig(window_size=3, fused_rollout=True))
     assert "must" in str(info.value)
 
 

@@ -14,11 +14,11 @@ def test_advantages_zero_mean_per_group_and_constant_groups_zero(rng_seed):
         assert torch.isfinite(adv).all()
         torch.testing.assert_close(adv.mean(dim=1), torch.zeros(5), atol=1e-6, rtol=0)
         assert (adv[2] == 0).all()
-    adv = group_advantages(rewards, adv_clip=100.0)
+    adv = group_advantages(rewards, "group", adv_clip=100.0)
     # unit std inside non-constant groups (up to eps): ddof 0 by default (np.std, Flow-GRPO) ...
     torch.testing.assert_close(adv[[0, 1, 3, 4]].std(dim=1, correction=0), torch.ones(4), atol=1e-3, rtol=0)
     # ... and the unbiased std with ddof = 1
-    adv = group_advantages(rewards, adv_clip=100.0, ddof=1)
+    adv = group_advantages(rewards, "group", adv_clip=100.0, ddof=1)
     torch.testing.assert_close(adv[[0, 1, 3, 4]].std(dim=1), torch.ones(4), atol=1e-3, rtol=0)
 
 
@@ -26,7 +26,7 @@ def test_advantage_clipping(rng_seed):
     gen = torch.Generator().manual_seed(rng_seed)
     rewards = torch.randn(4, 8, generator=gen)
     rewards[:, 0] = 1e3  # outliers far beyond the clip
-    adv = group_advantages(rewards, adv_clip=1.5)
+    adv = group_advantages(rewards, "group", adv_clip=1.5)
     assert adv.abs().max() <= 1.5 + 1e-7
     assert (adv[:, 0] == 1.5).all()
 

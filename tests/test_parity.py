@@ -10,6 +10,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from jagg_lightning.grpo import StepRecord, group_advantages, step_loss
+from jagg_lightning.module import GRPOConfig, SamplingConfig
 from jagg_lightning.rollout import sample_generators, sample_trajectories
 from jagg_lightning.sde import flow_match_sigmas, sample_step, step_distribution
 
@@ -134,9 +135,19 @@ def test_advantages_equal_flow_grpo_stat_tracker(global_std, rng_seed):
     np.testing.assert_allclose(ours.numpy(), flow_grpo_advantages(rewards, global_std, 2.5), rtol=1e-12, atol=1e-12)
     assert (ours[1] == 0).all()
     # DanceGRPO's unbiased std is the named option ddof = 1
-    dance = group_advantages(torch.from_numpy(rewards), adv_clip=100, eps=1e-8, ddof=1)
+    dance = group_advantages(torch.from_numpy(rewards), "group", adv_clip=100, eps=1e-8, ddof=1)
     ref = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, ddof=1, keepdims=True) + 1e-8)
     np.testing.assert_allclose(dance[[0, 2, 3, 4]].numpy(), ref[[0, 2, 3, 4]], rtol=1e-12)
+
+
+def test_default_update_settings_are_flow_grpo_base_config(rng_seed):
+    """config/base.py: sample.global_std True, adv_clip_max 5, clip_range 1e-4, max_grad_norm 1.0, noise 0.7."""
+    grpo, sampling = GRPOConfig(), SamplingConfig()
+    assert (grpo.clip_range, grpo.max_grad_norm, grpo.kl_beta, sampling.noise_level) == (1e-4, 1.0, 0.0, 0.7)
+    rng = np.random.default_rng(rng_seed)
+    rewards = rng.normal(size=(4, 6)) * rng.uniform(0.01, 3, size=(4, 1))
+    ours = group_advantages(torch.from_numpy(rewards), grpo.adv_std, grpo.adv_eps, grpo.adv_clip, grpo.std_ddof)
+    np.testing.assert_allclose(ours.numpy(), flow_grpo_advantages(rewards, True, 5.0), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("cps_log_prob", ["squared_error", "gaussian"])

@@ -15,12 +15,17 @@ PRESETS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
 # where the numbers come from is written in each preset's header
 REFERENCE = {
     "sd35_medium.yaml": {"family": "sd3", "num_steps": 10, "noise_level": 0.7, "lora_rank": 32, "lora_alpha": 64,
-                         "guidance_scale": 4.5},
+                         "guidance_scale": 4.5, "adv_std": "global", "kl_beta": 0.04},
     "flux_dev.yaml": {"family": "flux", "num_steps": 6, "noise_level": 0.9, "lora_rank": 64, "lora_alpha": 128,
                       "guidance_scale": 3.5, "kl_beta": 0.0, "dtype": "bfloat16", "precision": "bf16-true"},
     "qwen_image.yaml": {"family": "qwen_image", "num_steps": 10, "noise_level": 1.2, "lora_rank": 64, "lora_alpha": 128,
                         "guidance_scale": 4.0, "kl_beta": 0.0, "dtype": "bfloat16", "precision": "bf16-true",
                         "window_size": 5},
+    # Flow-GRPO's pickscore_sd3_fast_nocfg
+    "sd35_medium_fast.yaml": {"family": "sd3", "num_steps": 10, "noise_level": 0.8, "lora_rank": 32, "lora_alpha": 64,
+                              "guidance_scale": 1.0, "train_guidance_scale": 1.0, "eval_guidance_scale": 1.0,
+                              "step_kind": "cps", "sde_window_size": 3, "sde_window_range": [0, 5],
+                              "clip_range": 1e-5, "kl_beta": 0.0, "adv_std": "global", "group_size": 18},
 }
 
 
@@ -47,5 +52,8 @@ def test_preset_builds_everything_but_the_weights(preset, monkeypatch):
     found = {"family": family.name, "num_steps": module.sampling.num_steps, "noise_level": module.sampling.noise_level,
              "lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha, "guidance_scale": config.guidance_scale,
              "kl_beta": module.grpo.kl_beta, "dtype": config.dtype, "precision": cli.trainer.precision,
-             "window_size": module.jagg.window_size}
+             "window_size": module.jagg.window_size, "train_guidance_scale": module.sampling.train_guidance_scale,
+             "eval_guidance_scale": module.evaluation.guidance_scale, "step_kind": module.sampling.step_kind,
+             "sde_window_size": module.sampling.sde_window_size, "sde_window_range": module.sampling.sde_window_range,
+             "clip_range": module.grpo.clip_range, "adv_std": module.grpo.adv_std, "group_size": module.sampling.group_size}
     assert {k: found[k] for k in expected} == expected

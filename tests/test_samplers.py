@@ -5,9 +5,11 @@ skip, and the first-update ratio warning."""
 import copy
 import warnings
 
+import lightning as L
 import pytest
 import torch
 
+from jagg_lightning.data import PromptDataModule
 from jagg_lightning.grpo import group_advantages
 from jagg_lightning.module import EvalConfig, GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.rewards import Reward
@@ -102,6 +104,46 @@ def test_sde_window_start_is_seeded_uniform_and_progressive_is_a_schedule(rng_se
     assert prog == [min(1 + 2 * (step // 5), 5) for step in range(30)]
     with pytest.raises(ValueError, match="cannot hold"):
         sde_window_start(seed, 0, 4, (0, 3))
+
+
+class PlanRecorder(L.Callback):
+    """The SDE window of every rollout, with the optimizer step it started at."""
+
+    def __init__(self):
+        self.windows = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.windows.append((trainer.global_step, None))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.windows[-1] = (self.windows[-1][0], pl_module.plan.stochastic_steps)
+
+
+def test_progressive_window_moves_per_rollout_and_resumes(tmp_path, rng_seed):
+    """MixGRPO moves the window every shift_every rollouts (train_one_step calls), whatever the number of
+    optimizer steps a rollout makes (here 2: two inner epochs); the count survives a checkpoint."""
+    seed = rng_seed % 10_000
+    sampling = dict(sde_window_size=2, sde_window_range=[0, 5], sde_window_schedule="progressive",
+                    sde_window_shift_every=1, noise_level=0.8)
+    grpo = dict(train_batch_size=6, inner_epochs=2)
+    module, recorder = build(seed, sampling, grpo, dict(window_size=2)), PlanRecorder()
+    trainer = L.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[recorder], default_root_dir=tmp_path,
+                        enable_checkpointing=False)
+    trainer.fit(module, PromptDataModule(prompts=PROMPTS[:2], batch_size=2, seed=seed))
+    assert recorder.windows == [(0, [0, 1]), (2, [1, 2]), (4, [2, 3])]  # one step of the window per rollout
+    assert module.rollouts_done == 3
+    path = tmp_path / "two_rollouts.ckpt"
+    resumed, again = build(seed, sampling, grpo, dict(window_size=2)), PlanRecorder()
+    first = L.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False)
+    first.fit(resumed, PromptDataModule(prompts=PROMPTS[:2], batch_size=2, seed=seed))
+    first.save_checkpoint(path)
+    resumed = build(seed, sampling, grpo, dict(window_size=2))
+    L.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+              callbacks=[again], enable_checkpointing=False).fit(
+        resumed, PromptDataModule(prompts=PROMPTS[:2], batch_size=2, seed=seed), ckpt_path=path)
+    assert again.windows == [(4, [2, 3])]
 
 
 def test_window_choice_is_seeded_and_sized(rng_seed):
@@ -224,4 +266,16 @@ def test_first_update_ratio_warning_names_the_batch_size_mismatch(rng_seed):
         trainer = fit(mismatched, 1)
     assert mismatched.first_update_ratio_off and 0 < mismatched.first_update_ratio_deviation < 1e-5
     assert float(trainer.callback_metrics["train/ratio_first_update_off"]) == 1.0
-    # the matched case (3 and 3, no warning) is checked in the CFG-free test above
+
+
+@pytest.mark.parametrize("dtype,rollout_batch_size", [("float32", 3), ("float64", 1)])
+def test_first_update_ratio_does_not_warn_when_it_is_one(dtype, rollout_batch_size, rng_seed):
+    """float32 with matched sizes, and float64 even with mismatched ones: no warning, metric 0."""
+    seed = rng_seed % 10_000
+    module = build(seed, dict(rollout_batch_size=rollout_batch_size), dtype=dtype)  # train_batch_size 3
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*importance ratio of the first update")
+        trainer = fit(module, 1)
+    assert not module.first_update_ratio_off
+    assert float(trainer.callback_metrics["train/ratio_first_update_off"]) == 0.0
+    assert module.first_update_ratio_deviation < (1e-12 if dtype == "float64" else 1e-6)
