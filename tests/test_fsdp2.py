@@ -29,6 +29,7 @@ def sgd(params):
 
 RANK_SCRIPT = textwrap.dedent('''
     import sys
+    import torch
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from safetensors.torch import save_file
@@ -66,6 +67,20 @@ RANK_SCRIPT = textwrap.dedent('''
     trainer, weights = fit(build(), [LoRAExport(f"{out}/lora_resumed")], ckpt_path=f"{out}/ckpt/step=1.ckpt")
     if trainer.global_rank == 0:
         save_file(weights, f"{out}/fsdp_resumed.safetensors")
+    # bf16 frozen weights stay bf16 shards, the LoRA shards and their optimizer state float32 (bf16-true)
+    low = make_module(seed, optimizer=sgd, **(OPTIONS | {"dtype": "bfloat16", "kl_beta": 0.0}))
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=2, strategy=FSDP2Strategy(process_group_backend="gloo"),
+                        precision="bf16-true", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    trainer.fit(low, PromptDataModule(prompts=PROMPTS, batch_size=1, shuffle=False))
+    lora = low.policy.lora_parameters()
+    frozen = [p for p in low.policy.transformer.parameters() if not p.requires_grad]
+    assert lora and all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in lora)
+    assert frozen and all(isinstance(p, DTensor) and p.dtype == torch.bfloat16 for p in frozen)
+    state = [t for s in trainer.optimizers[0].state.values() for t in s.values() if t.is_floating_point() and t.ndim]
+    assert state and all(t.dtype == torch.float32 for t in state)
+    assert all(torch.isfinite(p.full_tensor()).all() for p in lora)
+    print("bf16 ok")
     # the fused mode is refused under sharding, before anything trains
     fused = make_module(seed, optimizer=sgd, rollout_batch_size=3, jagg={"fused_rollout": True},
                         **(OPTIONS | {"adv_std": "group"}))
@@ -101,7 +116,7 @@ def test_fsdp2_update_and_sharded_checkpoint_resume(tmp_path, rng_seed):
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)
     outputs = run_ranks(script, str(tmp_path), str(seed), timeout=300)
-    assert all("fused refused" in out for out in outputs)
+    assert all("fused refused" in out and "bf16 ok" in out for out in outputs)
     fsdp_final = load_file(tmp_path / "fsdp_final.safetensors")
     fsdp_resumed = load_file(tmp_path / "fsdp_resumed.safetensors")
 
