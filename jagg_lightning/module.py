@@ -442,6 +442,7 @@ class JAGGModule(L.LightningModule):
         self.ema: LoRAEMA | None = None
         self._ema_restored = False  # set when a checkpoint's EMA state is loaded
         self.rollouts_done = 0  # training steps (rollouts) so far; global_step counts optimizer steps
+        self.exact_backwards = 0  # backward passes exact GRPO would have made in the last training step
         self._schedules: dict[tuple, Tensor] = {}
         self.trained_steps = self.sampling.trainable_steps  # every step a rollout may train
         self.plan = self.plan_rollout(0)  # of the last rollout (callbacks read it, and ``windows``)
@@ -999,7 +1000,9 @@ class JAGGModule(L.LightningModule):
             return torch.stack([getattr(st, attr).float().mean() for _, st in stats]).mean()
 
         routed = [r for r in records if r.routed]
-        exact_passes = len(self.plan.trained_steps) * micro_batches  # what exact GRPO makes of each pass kind
+        # what exact GRPO makes of each pass kind (callbacks read it: records alone cannot tell micro-batches
+        # from the parts a memory budget or fused_samples splits them into)
+        self.exact_backwards = exact_passes = len(self.plan.trained_steps) * micro_batches
         values = {
             "reward_mean": rewards.mean(),
             "reward_std": rewards.std(),

@@ -65,6 +65,26 @@ def test_fused_gradient_equals_unfused(case, rng_seed):
         assert fused_passes["grad_forward"] < unfused_passes["grad_forward"]
 
 
+@pytest.mark.parametrize("fused,options", [(True, dict(fused_samples=2)), (False, dict(memory_budget_mb=1e-3))])
+def test_routing_stats_count_exact_passes_when_micro_batches_are_split(fused, options, rng_seed):
+    """Split micro-batches (part of each sample set kept as graphs, or a tiny memory budget) make more
+    window records than micro-batches; the backwards saved still compare with exact GRPO's count."""
+    from jagg_lightning.callbacks import RoutingStats
+
+    module = build(rng_seed % 10_000, fused, jagg_frac=1.0, rollout_batch_size=3, **options)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[RoutingStats(plot=False)])
+    trainer.fit(module, PromptDataModule(prompts=PROMPTS, batch_size=len(PROMPTS), shuffle=False))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    micro_batches = -(-len(PROMPTS) * K // 4) if not fused else len(PROMPTS) * K // 3  # update / rollout ones
+    assert len(module.window_records) > len(module.windows) * micro_batches  # really split
+    assert metrics["train/passes/exact_backward"] == len(module.trained_steps) * micro_batches
+    assert metrics["routing/backward_saved"] == metrics["train/passes/exact_backward"] - metrics["train/passes/backward"]
+    # fused: one backward per part; a budget of a fraction of one sample makes one-sample passes, more
+    # than exact GRPO's one per trained step and micro-batch: a negative saving, reported as such
+    assert (metrics["routing/backward_saved"] > 0) == fused
+
+
 @pytest.mark.parametrize("kl_beta,guidance", [(0.0, 2.5), (0.3, 1.0)])
 def test_fused_gradient_equals_unfused_with_guidance_and_kl(kl_beta, guidance, rng_seed):
     seed = rng_seed % 10_000

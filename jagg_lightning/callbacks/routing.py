@@ -45,8 +45,7 @@ class RoutingStats(L.Callback):
             if len(w.steps) > 2:
                 self.scores.append((w.score, w.routed))
         self.steps_seen += 1
-        micro_batches = len(records) // len(windows)
-        exact = len({k for w in windows for k in w.steps}) * micro_batches  # the steps this rollout trains
+        exact = pl_module.exact_backwards  # one per trained step and update micro-batch
         made = sum(r.backwards for r in records)
         scores = torch.tensor([w.score for w in windows if len(w.steps) > 2] or [0.0])
         q10, q50, q90 = torch.quantile(scores, torch.tensor([0.1, 0.5, 0.9])).tolist()
@@ -57,7 +56,7 @@ class RoutingStats(L.Callback):
                 "routing/score_q50": q50,
                 "routing/score_q90": q90,
                 "routing/backward_saved": float(exact - made),
-                "routing/backward_saved_frac": (exact - made) / exact,
+                "routing/backward_saved_frac": (exact - made) / max(exact, 1),
             },
             batch_size=1,
         )
