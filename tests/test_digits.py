@@ -11,6 +11,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import yaml
 
 from jagg_lightning.data import PromptDataModule, read_prompts
 from jagg_lightning.rewards import DigitReward, JpegCompressibility, WeightedReward, build_reward
@@ -128,6 +129,24 @@ def test_digit_reward_is_registered_and_combines(digits_test_split, reward):
 def digits_module():
     module, _ = module_from_config(CONFIG, seed=0)
     return module
+
+
+def test_module_from_config_honours_the_optimizer_and_refuses_what_it_cannot_build(digits_module, tmp_path):
+    cfg = yaml.safe_load(CONFIG.read_text())
+    [group] = digits_module.configure_optimizers().param_groups
+    assert type(digits_module.configure_optimizers()).__name__ == cfg["model"]["optimizer"]["class_path"].split(".")[-1]
+    assert group["lr"] == cfg["model"]["optimizer"]["init_args"]["lr"]
+    cfg["model"]["optimizer"] = {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.25, "momentum": 0.5}}
+    cfg["model"]["ema_decay"] = 0.9
+    (tmp_path / "sgd.yaml").write_text(yaml.safe_dump(cfg))
+    module, _ = module_from_config(tmp_path / "sgd.yaml")
+    optimizer = module.configure_optimizers()
+    assert isinstance(optimizer, torch.optim.SGD) and optimizer.param_groups[0]["momentum"] == 0.5
+    assert module.ema is not None and module.ema.decay == 0.9
+    cfg["model"]["lr_scheduler"] = {"class_path": "torch.optim.lr_scheduler.ConstantLR"}
+    (tmp_path / "sched.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ValueError, match="model.lr_scheduler"):
+        module_from_config(tmp_path / "sched.yaml")
 
 
 def test_shipped_pipeline_loads_through_policy_config_and_beats_chance(digits_module, reward, rng_seed):

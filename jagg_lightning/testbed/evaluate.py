@@ -59,13 +59,16 @@ def module_from_config(config_path, seed: int = 0, **jagg):
     the policy / sampling seeds set to ``seed`` and ``jagg`` overriding fields of its ``jagg`` section.
 
     The shipped pipeline's repository-relative path is resolved to the installed package directory.
+    Every field of the section is honoured (the optimizer's ``class_path`` and ``init_args`` too); a field
+    this builder does not take (``lr_scheduler``) stops it with the field's name.
     Returns (module, the YAML as a dict).
     """
+    import importlib
     from pathlib import Path
 
     import yaml
 
-    from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+    from jagg_lightning.module import EvalConfig, GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
     from jagg_lightning.policies import PolicyConfig
     from jagg_lightning.testbed import PIPELINE_DIR
 
@@ -74,14 +77,26 @@ def module_from_config(config_path, seed: int = 0, **jagg):
     policy = dict(model["policy"], seed=seed)
     if policy.get("pretrained") == "jagg_lightning/testbed/digits_sd3":
         policy["pretrained"] = str(PIPELINE_DIR)
-    opt = model["optimizer"]["init_args"]
+    unsupported = set(model) - {"policy", "sampling", "grpo", "jagg", "reward", "optimizer", "ema_decay",
+                                "reward_workers", "evaluation"}
+    if unsupported:
+        raise ValueError(f"module_from_config: model.{sorted(unsupported)[0]} is not supported here (use jagg fit)")
+    optimizer = None
+    if model.get("optimizer"):
+        module_name, _, class_name = model["optimizer"]["class_path"].rpartition(".")
+        optimizer_class = getattr(importlib.import_module(module_name), class_name)
+        init_args = dict(model["optimizer"].get("init_args") or {})
+        optimizer = lambda p: optimizer_class(p, **init_args)  # noqa: E731
     module = JAGGModule(
         policy=PolicyConfig(**policy),
-        sampling=SamplingConfig(**dict(model["sampling"], seed=seed)),
-        grpo=GRPOConfig(**model["grpo"]),
-        jagg=JAGGConfig(**(dict(model["jagg"]) | jagg)),
-        reward=model["reward"],
-        optimizer=lambda p: torch.optim.AdamW(p, lr=float(opt["lr"]), weight_decay=float(opt.get("weight_decay", 0))),
+        sampling=SamplingConfig(**dict(model.get("sampling") or {}, seed=seed)),
+        grpo=GRPOConfig(**(model.get("grpo") or {})),
+        jagg=JAGGConfig(**(dict(model.get("jagg") or {}) | jagg)),
+        reward=model.get("reward", "jpeg_compressibility"),
+        optimizer=optimizer,
+        ema_decay=model.get("ema_decay"),
+        reward_workers=model.get("reward_workers", 0),
+        evaluation=EvalConfig(**(model.get("evaluation") or {})),
     )
     module.configure_model()  # builds the policy now (the Trainer's own call is then a no-op)
     return module, cfg
