@@ -204,14 +204,19 @@ class _Engine:
             u = self.own_gradient(k, v_k) + self.upstream.pop(k, 0)
             return (v_k.to(u.dtype) * u).sum()
 
-    def grad_pass(self, steps: Sequence[int]) -> None:
-        """One forward with grad over ``steps`` batched, then ONE backward of sum_k <v_k, U_k>."""
-        z = torch.cat([self.latents[k] for k in steps])
-        t = torch.cat([self.time_batch(k) for k in steps])
+    def grad_pass(self, steps: Sequence[int], batched: bool = True) -> int:
+        """ONE backward of sum_k <v_k, U_k> over ``steps``, after one forward with grad over them batched
+        (``batched``) or one forward per step, each of the caller's batch shape. Returns the forwards made."""
         with torch.enable_grad():
-            v = self.velocity_fn(z, t, batch_concat([self.cond] * len(steps)))
-            total = sum(self.objective(k, v_k) for k, v_k in zip(steps, v.chunk(len(steps))))
+            if batched:
+                z = torch.cat([self.latents[k] for k in steps])
+                t = torch.cat([self.time_batch(k) for k in steps])
+                v = self.velocity_fn(z, t, batch_concat([self.cond] * len(steps))).chunk(len(steps))
+            else:
+                v = [self.velocity_fn(self.latents[k], self.time_batch(k), self.cond) for k in steps]
+            total = sum(self.objective(k, v_k) for k, v_k in zip(steps, v))
         self.backward(total)
+        return 1 if batched else len(steps)
 
 
 def accumulate_gradients(
@@ -225,6 +230,7 @@ def accumulate_gradients(
     low_memory: bool = False,
     backward: Callable[[Tensor], None] | None = None,
     graphs: dict[int, Tensor] | None = None,
+    batch_anchors: bool = True,
 ) -> list[WindowRecord]:
     """Accumulate d(sum_k step_loss(k, v_k))/dtheta into ``.grad`` over all ``windows``.
 
@@ -240,6 +246,12 @@ def accumulate_gradients(
     for some steps (theta = theta_old, so they equal a fresh forward). A pass step found there needs no
     forward; all of them share ONE backward, after the other passes. Unused entries (interior steps of a
     window that was routed) are simply dropped by the caller.
+    ``batch_anchors`` False: a routed window's anchors still share ONE backward (and its activation
+    peak), but each goes through its own forward with the batch shape of ``latents`` -- at theta_old the
+    rollout's shape, so the forward reproduces the rollout's velocities bit for bit. One batched forward of
+    twice the rows need not: a matmul kernel is picked by the shape and rounds its own way (measured on
+    a CPU: the per-sample timestep / AdaLN linears of the tiny SD3 change kernel between 10 and 11 rows),
+    so the first update's ratio was off by 1-2 float32 ulp of the log-prob.
     Returns one :class:`WindowRecord` per window with the passes it actually made.
     """
     engine = _Engine(velocity_fn, latents, times, cond, step_loss, backward or Tensor.backward)
@@ -284,8 +296,7 @@ def accumulate_gradients(
         else:
             passes = [[k] for k in todo]
         for steps in passes:
-            engine.grad_pass(steps)
-            rec.grad_forwards += 1
+            rec.grad_forwards += engine.grad_pass(steps, batched=batch_anchors)
             rec.backwards += 1
     if fused_total is not None:
         engine.backward(fused_total)

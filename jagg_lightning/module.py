@@ -698,13 +698,15 @@ class JAGGModule(L.LightningModule):
 
     def engine_pass(self, mb: Trajectory, advantages: Tensor, cond: tuple, update_size: int, windows: list[Window],
                     use_cache: bool, stats: list, low_memory: bool, graphs: dict[int, Tensor] | None = None):
-        """One :func:`accumulate_gradients` call over all of ``mb``'s samples."""
+        """One :func:`accumulate_gradients` call over all of ``mb``'s samples. ``use_cache``: theta is still the
+        rollout's theta_old; the anchors then take one forward each, of the rollout's batch shape (with one
+        backward), so the recomputed log-probs are the rollout's bit for bit (ratio exactly 1)."""
         scale = advantages.shape[0] / (update_size * len(self.plan.trained_steps))
         loss_of_step = self.step_loss_fn(mb, advantages, mb.ref_velocities, scale, stats)
         return accumulate_gradients(
             self.policy.velocity, mb.latents, mb.times, cond, loss_of_step, windows,
             cached_velocities=mb.velocities if (use_cache and self.jagg.cache_interior) else None,
-            low_memory=low_memory, backward=self.manual_backward, graphs=graphs,
+            low_memory=low_memory, backward=self.manual_backward, graphs=graphs, batch_anchors=not use_cache,
         )
 
     # ------------------------------------------------------------------ memory budget
@@ -1033,8 +1035,9 @@ class JAGGModule(L.LightningModule):
 
         On the first update theta = theta_old, so every log-prob is recomputed from the same weights on
         the same inputs, and log rho differs from 0 only where the forward rounds differently than in the
-        rollout: samples at other batch positions, JAGG's two anchors in one forward, a last micro-batch
-        shrunk by the zero-advantage skip. That noise is a few ulps of the log-prob: the bound is
+        rollout: samples at other batch positions, a pass shrunk by ``jagg.memory_budget_mb`` or a last
+        micro-batch shrunk by the zero-advantage skip (JAGG's anchors take one forward each on the first
+        update, so they keep the rollout's batch shape). That noise is a few ulps of the log-prob: the bound is
         4 eps (1 + |log pi_old|) per sample (eps of the SDE dtype). A ``train_batch_size`` other than
         ``rollout_batch_size`` is the systematic, fixable cause Flow-GRPO's README warns of: in float32
         any deviation is then reported. Deviations are measured on log rho (exp would round a drift

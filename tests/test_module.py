@@ -47,12 +47,22 @@ def fit(module, steps=1, prompts=PROMPTS[:2], callbacks=()):
     return trainer
 
 
+@pytest.mark.parametrize("guidance", [1.0, 4.0], ids=["guidance_off", "guidance_on"])
 @pytest.mark.parametrize("options", [{}, {"jagg_frac": 0.0}, {"inner_epochs": 2, "micro_batches_per_update": 1,
                                                               "train_batch_size": 2}])
-def test_first_update_ratio_is_one(options, rng_seed):
-    module = make_module(rng_seed % 10_000, **options)
+def test_first_update_ratio_is_one(options, guidance, rng_seed):
+    """Exactly 1 (bit for bit, float32) at every trained step of the first update, CFG on or off, when the
+    training micro-batch is the rollout's (a mismatch drifts in float32 and warns by design: another row
+    count picks other matmul kernels)."""
+    # the zero-advantage skip would repack a micro-batch smaller than the rollout's (jpeg rewards tie at times)
+    options = {"train_batch_size": 6, "skip_zero_advantage": False} | options
+    module = make_module(rng_seed % 10_000, rollout_batch_size=options["train_batch_size"], **options)
+    module.sampling.train_guidance_scale = guidance
     fit(module)
-    assert module.first_update_ratio_deviation < 1e-5
+    assert len(module.last_rollout.cond) == (4 if guidance > 1 else 2)  # CFG: the negative branch was trained
+    assert module.first_update_ratio_deviation == 0.0 and not module.first_update_ratio_off
+    assert {k for r in module.window_records for k in r.steps} == set(module.trained_steps)
+    assert any(r.routed for r in module.window_records) == (module.jagg.jagg_frac > 0)
     # the LoRA really moved: a later rollout would see a ratio != 1
     assert any(r.backwards > 0 for r in module.window_records)
 

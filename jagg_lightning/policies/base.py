@@ -45,7 +45,8 @@ Contract details the engine relies on:
   Read guidance from ``self.config.guidance_scale`` at call time (evaluation changes it temporarily).
 * Available to a family: ``self.config`` (the PolicyConfig), ``self._pipeline`` (kept outside the module
   tree, for its ``encode_prompt``), ``self.scheduler`` (a copy), ``self.lora_targets`` (effective).
-* Tests: add a ``FamilyCase`` to tests/families.py and tests/test_families.py runs on the new twin.
+* Tests: add a ``FamilyCase`` to tests/families.py and tests/test_families.py runs on the new twin, or
+  give the family its own test file as tests/test_family_qwen_image.py (docs/model_families.md).
 """
 
 from __future__ import annotations
