@@ -133,8 +133,9 @@ def digits_module():
 
 def test_module_from_config_honours_the_optimizer_and_refuses_what_it_cannot_build(digits_module, tmp_path):
     cfg = yaml.safe_load(CONFIG.read_text())
-    [group] = digits_module.configure_optimizers().param_groups
-    assert type(digits_module.configure_optimizers()).__name__ == cfg["model"]["optimizer"]["class_path"].split(".")[-1]
+    optimizer = digits_module.configure_optimizers()
+    [group] = optimizer.param_groups
+    assert type(optimizer).__name__ == cfg["model"]["optimizer"]["class_path"].split(".")[-1]
     assert group["lr"] == cfg["model"]["optimizer"]["init_args"]["lr"]
     cfg["model"]["optimizer"] = {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.25, "momentum": 0.5}}
     cfg["model"]["ema_decay"] = 0.9
