@@ -27,34 +27,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def update_gradient(module, traj, cond, advantages, ref, policy_term: bool = True) -> torch.Tensor:
     """The first-update JAGG gradient over the whole rollout, flattened (weights and .grad untouched)."""
-    from jagg_lightning.jagg import accumulate_gradients
-
-    params = list(module.policy.lora_parameters())
-    total = [torch.zeros_like(p) for p in params]
-
-    def collect(objective):
-        for buf, g in zip(total, torch.autograd.grad(objective, params, allow_unused=True)):
-            if g is not None:
-                buf += g
+    from jagg_lightning.jagg import flat_gradient
 
     adv = advantages if policy_term else torch.zeros_like(advantages)
     mb = copy.copy(traj)
     mb.ref_velocities = ref
     loss = module.step_loss_fn(mb, adv, ref, 1.0 / len(module.plan.trained_steps), [])
-    accumulate_gradients(module.policy.velocity, traj.latents, traj.times, cond, loss, module.plan.windows,
-                         cached_velocities=traj.velocities, backward=collect)
-    return torch.cat([t.flatten().double() for t in total])
-
-
-def compare(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    cos = float(torch.dot(a, b) / (a.norm() * b.norm()).clamp_min(1e-300))
-    return cos, float((a - b).norm() / b.norm().clamp_min(1e-300))
+    return flat_gradient(module.policy.velocity, module.policy.lora_parameters(), traj.latents, traj.times, cond, loss,
+                         module.plan.windows, cached_velocities=traj.velocities)
 
 
 def measure(seed: int, train_steps: int) -> dict:
     import lightning as L
 
     from jagg_lightning.data import PromptDataModule, read_prompts
+    from jagg_lightning.jagg import gradient_agreement
     from jagg_lightning.testbed.evaluate import module_from_config
 
     torch.manual_seed(seed)
@@ -89,8 +76,8 @@ def measure(seed: int, train_steps: int) -> dict:
         g_interp = update_gradient(module, traj, cond, advantages, interp.ref_velocities)
         kl_exact = update_gradient(module, traj, cond, advantages, exact_ref, policy_term=False)
         kl_interp = update_gradient(module, traj, cond, advantages, interp.ref_velocities, policy_term=False)
-    cos, err = compare(g_interp, g_exact)
-    kl_cos, kl_err = compare(kl_interp, kl_exact)
+    cos, err = gradient_agreement(g_interp, g_exact)
+    kl_cos, kl_err = gradient_agreement(kl_interp, kl_exact)
     return dict(seed=seed, interior_steps=len(interior), trained_steps=len(plan.trained_steps), ref_rel=rel_ref,
                 ref_rel_to_kl_offset=rel_kl, grad_cosine=cos, grad_rel_error=err, kl_grad_cosine=kl_cos,
                 kl_grad_rel_error=kl_err, kl_share=float(kl_exact.norm() / g_exact.norm()),

@@ -316,6 +316,41 @@ class WindowGradientCheck:
     rel_error: float
 
 
+def flat_gradient(
+    velocity_fn: VelocityFn,
+    params: Sequence[Tensor],
+    latents: Tensor,
+    times: Tensor,
+    cond: Any,
+    step_loss: StepLossFn,
+    windows: Sequence[Window],
+    cached_velocities: Tensor | None = None,
+) -> Tensor:
+    """d(sum_k step_loss(k, v_k))/dparams over ``windows`` as :func:`accumulate_gradients` makes it,
+    flattened in float64 and collected with ``torch.autograd.grad`` (``.grad`` is left untouched)."""
+    params = list(params)
+    total = [torch.zeros_like(p) for p in params]
+
+    def collect(objective: Tensor) -> None:
+        for buf, g in zip(total, torch.autograd.grad(objective, params, allow_unused=True)):
+            if g is not None:
+                buf += g
+
+    accumulate_gradients(velocity_fn, latents, times, cond, step_loss, windows,
+                         cached_velocities=cached_velocities, backward=collect)
+    return torch.cat([t.flatten().double() for t in total])
+
+
+def gradient_agreement(approx: Tensor, exact: Tensor) -> tuple[float, float]:
+    """(cosine, ||approx - exact|| / ||exact||) of two flat gradients; (1, 0) when both are zero (they
+    agree exactly, e.g. every sample clipped)."""
+    norm, approx_norm = exact.norm(), approx.norm()
+    if norm == 0 and approx_norm == 0:
+        return 1.0, 0.0
+    cosine = float(torch.dot(exact, approx) / (norm * approx_norm).clamp_min(1e-300))
+    return cosine, float((approx - exact).norm() / norm.clamp_min(1e-300))
+
+
 def check_window_gradients(
     velocity_fn: VelocityFn,
     params: Sequence[Tensor],
@@ -334,16 +369,7 @@ def check_window_gradients(
     params = list(params)
 
     def gradient(window: Window) -> Tensor:
-        total = [torch.zeros_like(p) for p in params]
-
-        def collect(objective: Tensor) -> None:
-            grads = torch.autograd.grad(objective, params, allow_unused=True)
-            for buf, g in zip(total, grads):
-                if g is not None:
-                    buf += g
-
-        accumulate_gradients(velocity_fn, latents, times, cond, step_loss, [window], backward=collect)
-        return torch.cat([t.flatten().double() for t in total])
+        return flat_gradient(velocity_fn, params, latents, times, cond, step_loss, [window])
 
     checks = []
     with torch.random.fork_rng():
@@ -352,10 +378,5 @@ def check_window_gradients(
                 continue
             exact = gradient(Window(w.steps, w.score, routed=False))
             approx = gradient(Window(w.steps, w.score, routed=True))
-            norm = exact.norm()
-            if norm == 0 and approx.norm() == 0:  # e.g. every sample clipped: the two agree exactly
-                cosine = 1.0
-            else:
-                cosine = float(torch.dot(exact, approx) / (norm * approx.norm()).clamp_min(1e-300))
-            checks.append(WindowGradientCheck(w.steps, w.score, w.routed, cosine, float((approx - exact).norm() / norm.clamp_min(1e-300))))
+            checks.append(WindowGradientCheck(w.steps, w.score, w.routed, *gradient_agreement(approx, exact)))
     return checks

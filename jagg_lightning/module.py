@@ -637,13 +637,18 @@ class JAGGModule(L.LightningModule):
         if self.grpo.kl_beta == 0:
             return None
         out = torch.zeros_like(traj.velocities)
-        size = self.sampling.rollout_batch_size
         for k in self.plan.trained_steps if steps is None else steps:
-            for i in range(0, out.shape[1], size):
-                z = traj.latents[k, i : i + size]
-                out[k, i : i + size] = self.reference_velocity(z, traj.times[k].expand(z.shape[0]),
-                                                               batch_slice(cond, slice(i, i + size)))
+            self._reference_at_step(traj, cond, k, out)
         return out
+
+    @torch.no_grad()
+    def _reference_at_step(self, traj: Trajectory, cond: tuple, k: int, out: Tensor) -> None:
+        """out[k] = the reference velocity at step k of the finished ``traj``, in rollout-sized passes."""
+        size = self.sampling.rollout_batch_size
+        for i in range(0, out.shape[1], size):
+            z = traj.latents[k, i : i + size]
+            out[k, i : i + size] = self.reference_velocity(z, traj.times[k].expand(z.shape[0]),
+                                                           batch_slice(cond, slice(i, i + size)))
 
     def route(self, traj: Trajectory, windows: list[Window] | None = None) -> list[Window]:
         """Score every window (default: ``self.windows``) from the recorded velocities (``jagg.routing``;
@@ -674,15 +679,6 @@ class JAGGModule(L.LightningModule):
             return loss.mean() * scale
 
         return loss_of_step
-
-    def micro_batch_backward(
-        self, traj: Trajectory, cond: tuple, advantages: Tensor, index: Tensor,
-        update_size: int, use_cache: bool, stats: list,
-    ) -> list[WindowRecord]:
-        """Accumulate this micro-batch's share of d(mean loss over the update)/dtheta (the KL reference
-        velocities are the trajectory's, taken in the rollout)."""
-        return self.backward_samples(traj.select(index), advantages[index], batch_slice(cond, index), update_size,
-                                     self.plan.windows, use_cache, stats)
 
     def backward_samples(self, mb: Trajectory, advantages: Tensor, cond: tuple, update_size: int,
                          windows: list[Window], use_cache: bool, stats: list) -> list[WindowRecord]:
@@ -847,8 +843,10 @@ class JAGGModule(L.LightningModule):
                 group = self.drop_zero_advantage(group, advantages)
                 with self._local_backward():
                     for index in group:
-                        records += self.micro_batch_backward(traj, cond, advantages, index, update_size,
-                                                             theta_is_old, first_update_stats if theta_is_old else stats)
+                        # this micro-batch's share of d(mean loss over the update)/dtheta
+                        records += self.backward_samples(traj.select(index), advantages[index], batch_slice(cond, index),
+                                                         update_size, self.plan.windows, theta_is_old,
+                                                         first_update_stats if theta_is_old else stats)
                 self._optimizer_step()
                 theta_is_old = False
         return records, stats, first_update_stats, self.grpo.inner_epochs * len(micro)
@@ -908,25 +906,20 @@ class JAGGModule(L.LightningModule):
         """Fill in, once the windows are routed, the reference velocities the rollout did not take
         (``interpolate_reference``): a routed window's interior steps are interpolated from its anchors'
         (alpha_k of the window), an exact window's are taken with the adapter off. In place."""
-        ref, size = traj.ref_velocities, self.sampling.rollout_batch_size
+        ref = traj.ref_velocities
         if ref is None:
             return
         for w in windows:
             missing = [k for k in w.interior if k not in taken]
-            if not missing:
-                continue
-            if w.routed:
+            if missing and w.routed:
                 alpha = alphas(traj.times, w.steps)
                 a, b = w.anchors
                 for i, k in enumerate(w.steps):
                     if k in missing:
                         ref[k] = (1 - alpha[i]).to(ref.dtype) * ref[a] + alpha[i].to(ref.dtype) * ref[b]
-                continue
-            for k in missing:
-                for i in range(0, ref.shape[1], size):
-                    z = traj.latents[k, i : i + size]
-                    ref[k, i : i + size] = self.reference_velocity(z, traj.times[k].expand(z.shape[0]),
-                                                                   batch_slice(cond, slice(i, i + size)))
+            else:
+                for k in missing:
+                    self._reference_at_step(traj, cond, k, ref)
 
     def check_fused(self) -> None:
         """Refuse, with the reason, the settings under which a fused update would not equal the unfused one."""
@@ -962,9 +955,6 @@ class JAGGModule(L.LightningModule):
         graph_steps = self.fused_graph_steps(plan.windows)
         graph_samples = self.fused_samples(len(graph_steps))
 
-        def keep(k: int, v: Tensor) -> None:
-            graphs[k] = v
-
         def update_micro_batch(part: slice, final: Tensor, traj: Trajectory) -> None:
             total, comps = self.score(self.policy.decode(final), sample_prompts[part])
             adv = self.advantages(total)  # group std (check_fused): this micro-batch's groups alone
@@ -990,7 +980,7 @@ class JAGGModule(L.LightningModule):
 
         taken = self.reference_steps(plan.windows)
         traj, cond = self.rollout(prompts, indices, step, update_micro_batch, plan.step_kinds, sorted(taken),
-                                  cond=cond, grad_steps=graph_steps, grad_samples=graph_samples, on_graph=keep)
+                                  cond=cond, grad_steps=graph_steps, grad_samples=graph_samples, on_graph=graphs.__setitem__)
         self._optimizer_step()
         components = {name: torch.cat([c[name] for c in components]) for name in components[0]}
         return traj, cond, torch.cat(rewards), components, torch.cat(advantages), records, stats

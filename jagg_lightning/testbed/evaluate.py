@@ -68,35 +68,23 @@ def module_from_config(config_path, seed: int = 0, **jagg):
 
     import yaml
 
-    from jagg_lightning.module import EvalConfig, GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
-    from jagg_lightning.policies import PolicyConfig
+    from jagg_lightning.module import JAGGModule
     from jagg_lightning.testbed import PIPELINE_DIR
 
     cfg = yaml.safe_load(Path(config_path).read_text())
-    model = cfg["model"]
-    policy = dict(model["policy"], seed=seed)
-    if policy.get("pretrained") == "jagg_lightning/testbed/digits_sd3":
-        policy["pretrained"] = str(PIPELINE_DIR)
+    model = dict(cfg["model"])
     unsupported = set(model) - {"policy", "sampling", "grpo", "jagg", "reward", "optimizer", "ema_decay",
                                 "reward_workers", "evaluation"}
     if unsupported:
         raise ValueError(f"module_from_config: model.{sorted(unsupported)[0]} is not supported here (use jagg fit)")
-    optimizer = None
-    if model.get("optimizer"):
-        module_name, _, class_name = model["optimizer"]["class_path"].rpartition(".")
-        optimizer_class = getattr(importlib.import_module(module_name), class_name)
-        init_args = dict(model["optimizer"].get("init_args") or {})
-        optimizer = lambda p: optimizer_class(p, **init_args)  # noqa: E731
-    module = JAGGModule(
-        policy=PolicyConfig(**policy),
-        sampling=SamplingConfig(**dict(model.get("sampling") or {}, seed=seed)),
-        grpo=GRPOConfig(**(model.get("grpo") or {})),
-        jagg=JAGGConfig(**(dict(model.get("jagg") or {}) | jagg)),
-        reward=model.get("reward", "jpeg_compressibility"),
-        optimizer=optimizer,
-        ema_decay=model.get("ema_decay"),
-        reward_workers=model.get("reward_workers", 0),
-        evaluation=EvalConfig(**(model.get("evaluation") or {})),
-    )
+    model["policy"] = dict(model["policy"], seed=seed)
+    if model["policy"].get("pretrained") == "jagg_lightning/testbed/digits_sd3":
+        model["policy"]["pretrained"] = str(PIPELINE_DIR)
+    model["sampling"] = dict(model.get("sampling") or {}, seed=seed)
+    model["jagg"] = dict(model.get("jagg") or {}) | jagg
+    if model.get("optimizer"):  # a config the user wrote (not checkpoint data): its optimizer's module may be imported
+        importlib.import_module(model["optimizer"]["class_path"].rpartition(".")[0])
+    # JAGGModule takes the sections as dicts and the optimizer as {class_path, init_args}, as LightningCLI does
+    module = JAGGModule(**model)
     module.configure_model()  # builds the policy now (the Trainer's own call is then a no-op)
     return module, cfg
