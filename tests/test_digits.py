@@ -5,6 +5,7 @@ Everything here loads the weights shipped in the package (trained once by
 the real digit images of the held-out test split.
 """
 
+import csv
 import json
 from pathlib import Path
 
@@ -16,9 +17,10 @@ import yaml
 from jagg_lightning.data import PromptDataModule, read_prompts
 from jagg_lightning.rewards import DigitReward, JpegCompressibility, WeightedReward, build_reward
 from jagg_lightning.rewards.base import RewardError
-from jagg_lightning.rewards.digits import prompt_digit
+from jagg_lightning.rewards.digits import prompt_digit, to_digit_grid
 from jagg_lightning.testbed import HELDOUT_TEMPLATES, INFO_PATH, PIPELINE_DIR, digit_prompts
 from jagg_lightning.testbed.evaluate import heldout_accuracy, module_from_config, sample_images
+from jagg_lightning.testbed.judge import load_judge
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "digits.yaml"
@@ -41,12 +43,18 @@ MARGIN = 0.20
 # 0.016 for the 3-seed mean in a test run (a per-prompt bootstrap gives a little more, 0.023-0.04 per
 # seed; reward 0.02-0.03), so 0.05 is ~3 of those; the test also checks the accuracy gain against 3x the
 # noise of its own run.
+# The independent judge (jagg_lightning.testbed.judge) reads the same images. Measured with this procedure
+# (2026-12-01, 16 seeds, 30 steps): judge accuracy gain +0.042 +- 0.056 per seed (3 of 16 negative, the
+# lowest -0.121 while the reward's classifier gained +0.046), so the 3-seed mean has sd 0.032: it cannot be
+# asked to rise, only not to fall, -0.07 being 3.5 sd below the measured mean. A fall past that while the
+# reward rises would be the reward hacking the judge is there to catch (docs/testbed.md).
 FINETUNE_STEPS = 30
 EVAL_SAMPLES = 8
 FINETUNE_SEEDS = 3
 MIN_MEAN_REWARD_GAIN = 0.05
 MIN_MEAN_ACCURACY_GAIN = 0.05
 MIN_SEED_REWARD_GAIN = 0.0
+MIN_MEAN_JUDGE_GAIN = -0.07
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -125,6 +133,32 @@ def test_digit_reward_is_registered_and_combines(digits_test_split, reward):
     assert torch.allclose(total, parts["digits"] + 0.1 * parts["jpeg_compressibility"])
 
 
+def test_judge_is_the_recipes_fit_and_reads_the_test_split(digits_test_split, rng_seed):
+    """The shipped judge: what ``python -m jagg_lightning.testbed.judge`` fits, ported exactly from scikit-learn."""
+    from sklearn.linear_model import LogisticRegression
+
+    from jagg_lightning.testbed.judge import fit_judge, judge_metadata
+    from jagg_lightning.testbed.train import load_split, to_rgb
+
+    images, labels = digits_test_split
+    judge = load_judge()
+    accuracy = float((judge(images).argmax(-1) == labels).float().mean())
+    assert accuracy >= 0.9 and abs(accuracy - float(judge_metadata()["test_accuracy"])) < 0.5 / len(labels)
+    x_train, y_train, *_ = load_split(0)
+    grids = to_digit_grid(to_rgb(x_train))
+    refit = fit_judge(grids, y_train)
+    assert (refit(images).argmax(-1) == judge(images).argmax(-1)).float().mean() >= 0.99
+    # the port: same probabilities as scikit-learn's own predict_proba, on fresh random images
+    reference = LogisticRegression(C=1.0, max_iter=1000).fit(grids.flatten(1).double().numpy(), y_train.numpy())
+    noise = torch.rand(16, 3, 32, 32, generator=torch.Generator().manual_seed(rng_seed))
+    expected = torch.from_numpy(reference.predict_proba(to_digit_grid(noise).flatten(1).double().numpy()))
+    assert torch.allclose(refit(noise).softmax(-1).double(), expected, atol=1e-5)
+    prompts = [f"digit {int(d)}" for d in labels[:8]]
+    assert torch.equal(judge.correct(images[:8], prompts), judge(images[:8]).argmax(-1) == labels[:8])
+    with pytest.raises(FileNotFoundError, match="judge_path"):
+        load_judge("/nonexistent/judge.safetensors")
+
+
 @pytest.fixture(scope="session")
 def digits_module():
     module, _ = module_from_config(CONFIG, seed=0)
@@ -148,6 +182,43 @@ def test_module_from_config_honours_the_optimizer_and_refuses_what_it_cannot_bui
     (tmp_path / "sched.yaml").write_text(yaml.safe_dump(cfg))
     with pytest.raises(ValueError, match="model.lr_scheduler"):
         module_from_config(tmp_path / "sched.yaml")
+
+
+def test_digit_accuracy_logs_what_it_measures_with_the_judge(tmp_path, rng_seed):
+    """DigitAccuracy in a real fit: at the start, every n steps and at the end it logs held-out accuracy, reward
+    and the judge's reading of the same images; each logged value is what heldout_accuracy measures."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from jagg_lightning.callbacks import DigitAccuracy
+
+    seed = rng_seed % 100_000
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["model"]["sampling"] |= {"group_size": 2, "rollout_batch_size": 4}
+    cfg["model"]["grpo"]["train_batch_size"] = 4
+    (tmp_path / "small.yaml").write_text(yaml.safe_dump(cfg))
+    module, _ = module_from_config(tmp_path / "small.yaml", seed=seed)
+    prompts = digit_prompts(HELDOUT_TEMPLATES)[::3]
+    callback = DigitAccuracy(prompts=prompts, every_n_steps=2, samples_per_prompt=2, seed=seed)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path), callbacks=[callback],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, PromptDataModule(prompts=digit_prompts()[:4], batch_size=2, seed=seed))
+    assert [step for step, *_ in callback.history] == [0, 2, 3]
+    last = callback.results[-1]
+    judge = load_judge()
+    assert heldout_accuracy(module, DigitReward(), prompts, 2, seed, judge=judge) == last
+    # the judge's numbers, recomputed from the images themselves
+    images = sample_images(module, prompts, 2, seed)
+    per_sample = [p for p in prompts for _ in range(2)]
+    judged, read = judge(images).argmax(-1), DigitReward().log_probs(images).argmax(-1)
+    assert last["judge_accuracy"] == pytest.approx(float(judge.correct(images, per_sample).float().mean()))
+    assert last["judge_agreement"] == pytest.approx(float((judged == read).float().mean()))
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
+        logged = {int(row["step"]): row for row in csv.DictReader(f) if row.get("val/judge_accuracy")}
+    assert sorted(logged) == [0, 2, 3]
+    for key in ("accuracy", "reward", "judge_accuracy", "judge_agreement"):
+        name = "val/" + ("digit_" + key if key in ("accuracy", "reward") else key)
+        assert float(logged[3][name]) == pytest.approx(last[key], abs=1e-6)
+        assert [float(logged[s][name]) for s in (0, 2, 3)] == pytest.approx([r[key] for r in callback.results])
 
 
 def test_shipped_pipeline_loads_through_policy_config_and_beats_chance(digits_module, reward, rng_seed):
@@ -199,16 +270,18 @@ def test_short_jagg_finetune_raises_heldout_reward_and_accuracy(rng_seed, reward
     prompts = digit_prompts(HELDOUT_TEMPLATES)
     per_sample = [p for p in prompts for _ in range(EVAL_SAMPLES)]
 
+    judge = load_judge()
+
     def heldout(module, seed, adapter):
         images = sample_images(module, prompts, EVAL_SAMPLES, seed, adapter=adapter)
-        return reward.correct(images, per_sample).float(), reward(images, per_sample)
+        return reward.correct(images, per_sample).float(), reward(images, per_sample), judge.correct(images, per_sample)
 
-    reward_gains, accuracy_gains, discordant = [], [], 0
+    reward_gains, accuracy_gains, judge_gains, discordant = [], [], [], 0
     for i in range(FINETUNE_SEEDS):
         seed = (rng_seed + 7919 * i) % 100_000
         L.seed_everything(seed, verbose=False)
         module, cfg = module_from_config(CONFIG, seed=seed)
-        correct_before, reward_before = heldout(module, seed + 1, adapter=False)
+        correct_before, reward_before, judged_before = heldout(module, seed + 1, adapter=False)
         trainer = L.Trainer(max_steps=FINETUNE_STEPS, accelerator="cpu", devices=1, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         train_prompts = read_prompts(ROOT / cfg["data"]["prompts_file"])
@@ -216,20 +289,24 @@ def test_short_jagg_finetune_raises_heldout_reward_and_accuracy(rng_seed, reward
         trainer.fit(module, PromptDataModule(prompts=train_prompts, batch_size=cfg["data"]["batch_size"], seed=seed))
         moved = max(float((p.detach() - q).abs().max()) for p, q in zip(module.policy.lora_parameters(), lora_before))
         assert moved > 0, "the LoRA did not train"
-        correct_after, reward_after = heldout(module, seed + 1, adapter=True)
+        correct_after, reward_after, judged_after = heldout(module, seed + 1, adapter=True)
         reward_gains.append(float(reward_after.mean() - reward_before.mean()))
         accuracy_gains.append(float(correct_after.mean() - correct_before.mean()))
+        judge_gains.append(float(judged_after.float().mean() - judged_before.float().mean()))
         discordant += int((correct_after != correct_before).sum())
         print(f"seed {seed}: held-out accuracy {float(correct_before.mean()):.3f} -> "
               f"{float(correct_after.mean()):.3f}, reward {float(reward_before.mean()):.4f} -> "
-              f"{float(reward_after.mean()):.4f}")
+              f"{float(reward_after.mean()):.4f}, judge {float(judged_before.float().mean()):.3f} -> "
+              f"{float(judged_after.float().mean()):.3f}")
     mean_reward_gain = sum(reward_gains) / FINETUNE_SEEDS
     mean_accuracy_gain = sum(accuracy_gains) / FINETUNE_SEEDS
+    mean_judge_gain = sum(judge_gains) / FINETUNE_SEEDS
     # std of the 3-seed mean accuracy gain if every discordant sample were a fair coin (no real change)
     noise = discordant ** 0.5 / (FINETUNE_SEEDS * len(per_sample))
     print(f"3-seed mean gains: reward {mean_reward_gain:+.4f}, accuracy {mean_accuracy_gain:+.3f} "
-          f"(evaluation-noise std {noise:.3f})")
+          f"(evaluation-noise std {noise:.3f}), judge {mean_judge_gain:+.3f}")
     assert mean_reward_gain >= MIN_MEAN_REWARD_GAIN, reward_gains
     assert mean_accuracy_gain >= MIN_MEAN_ACCURACY_GAIN, accuracy_gains
     assert mean_accuracy_gain >= 3 * noise, (accuracy_gains, noise)
     assert min(reward_gains) > MIN_SEED_REWARD_GAIN, reward_gains
+    assert mean_judge_gain >= MIN_MEAN_JUDGE_GAIN, judge_gains

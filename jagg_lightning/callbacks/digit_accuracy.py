@@ -3,7 +3,9 @@
 A stand-in for a validation loop (fold :func:`jagg_lightning.testbed.evaluate.heldout_accuracy` into
 ``validation_step`` when one exists): at the start of fit, every ``every_n_steps`` training steps and
 at the end of fit it samples the held-out prompts with fixed seeds (ODE, the policy's guidance, the
-inference weights) and logs ``val/digit_accuracy`` and ``val/digit_reward`` to every logger.
+inference weights) and logs ``val/digit_accuracy`` and ``val/digit_reward`` to every logger, and the
+independent judge's reading of the same images (:mod:`jagg_lightning.testbed.judge`, never seen by GRPO):
+``val/judge_accuracy`` and ``val/judge_agreement``.
 """
 
 from __future__ import annotations
@@ -11,14 +13,17 @@ from __future__ import annotations
 import lightning as L
 
 from jagg_lightning.rewards.digits import DigitReward
+from jagg_lightning.testbed.judge import JUDGE_PATH, DigitJudge, load_judge
 
 
 class DigitAccuracy(L.Callback):
     """prompts: held-out prompts (default: every held-out template x digit); ``history`` keeps
-    (global step, accuracy, reward) of every evaluation."""
+    (global step, accuracy, reward) of every evaluation, ``results`` the whole result of each
+    (:func:`~jagg_lightning.testbed.evaluate.heldout_accuracy`, judge included)."""
 
     def __init__(self, prompts: list[str] | None = None, every_n_steps: int = 10, samples_per_prompt: int = 2,
-                 seed: int = 1234, num_steps: int | None = None, classifier_path: str | None = None):
+                 seed: int = 1234, num_steps: int | None = None, classifier_path: str | None = None,
+                 judge_path: str | None = None):
         super().__init__()
         if every_n_steps < 1:
             raise ValueError(f"DigitAccuracy.every_n_steps must be >= 1, got {every_n_steps}")
@@ -27,9 +32,11 @@ class DigitAccuracy(L.Callback):
         if prompts is not None and not prompts:
             raise ValueError("DigitAccuracy.prompts must not be empty")
         self.prompts, self.every_n_steps, self.samples_per_prompt = prompts, every_n_steps, samples_per_prompt
-        self.seed, self.num_steps, self.classifier_path = seed, num_steps, classifier_path
+        self.seed, self.num_steps, self.classifier_path, self.judge_path = seed, num_steps, classifier_path, judge_path
         self.reward: DigitReward | None = None
+        self.judge: DigitJudge | None = None
         self.history: list[tuple[int, float, float]] = []
+        self.results: list[dict] = []
         self._step = 0
 
     def evaluate(self, trainer, pl_module) -> dict:
@@ -37,14 +44,17 @@ class DigitAccuracy(L.Callback):
 
         if self.reward is None:
             self.reward = DigitReward(self.classifier_path).to(pl_module.device)
+            self.judge = load_judge(self.judge_path or JUDGE_PATH).to(pl_module.device)
         result = heldout_accuracy(pl_module, self.reward, self.prompts, self.samples_per_prompt, self.seed,
-                                  self.num_steps)
+                                  self.num_steps, judge=self.judge)
         step = trainer.global_step
         self.history.append((step, result["accuracy"], result["reward"]))
+        self.results.append(result)
         if trainer.is_global_zero:
+            metrics = {"val/digit_accuracy": result["accuracy"], "val/digit_reward": result["reward"],
+                       "val/judge_accuracy": result["judge_accuracy"], "val/judge_agreement": result["judge_agreement"]}
             for logger in trainer.loggers:
-                logger.log_metrics({"val/digit_accuracy": result["accuracy"], "val/digit_reward": result["reward"]},
-                                   step=step)
+                logger.log_metrics(metrics, step=step)
         return result
 
     def on_fit_start(self, trainer, pl_module) -> None:

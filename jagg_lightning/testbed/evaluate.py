@@ -11,6 +11,7 @@ import torch
 from jagg_lightning.rewards.digits import DigitReward, prompt_digit
 from jagg_lightning.rollout import sample_generators, sample_trajectories
 from jagg_lightning.testbed import HELDOUT_TEMPLATES, digit_prompts
+from jagg_lightning.testbed.judge import DigitJudge
 
 
 @torch.no_grad()
@@ -41,17 +42,28 @@ def sample_images(module, prompts: list[str], samples_per_prompt: int, seed: int
 
 @torch.no_grad()
 def heldout_accuracy(module, reward: DigitReward, prompts: list[str] | None = None, samples_per_prompt: int = 2,
-                     seed: int = 1234, num_steps: int | None = None, adapter: bool = True) -> dict:
+                     seed: int = 1234, num_steps: int | None = None, adapter: bool = True,
+                     judge: DigitJudge | None = None) -> dict:
     """{"accuracy": share of samples read as the prompted digit, "reward": mean DigitReward score,
-    "per_digit": [accuracy of digit 0..9]} over ``prompts`` (default: every held-out template x digit)."""
+    "per_digit": [accuracy of digit 0..9]} over ``prompts`` (default: every held-out template x digit).
+
+    With a ``judge`` (:mod:`jagg_lightning.testbed.judge`), on the same images: "judge_accuracy" (share the
+    judge reads as the prompted digit) and "judge_agreement" (share where judge and reward's classifier
+    read the same digit, right or wrong)."""
     prompts = list(prompts or digit_prompts(HELDOUT_TEMPLATES))
     images = sample_images(module, prompts, samples_per_prompt, seed, num_steps, adapter)
     per_sample = [p for p in prompts for _ in range(samples_per_prompt)]
-    correct = reward.correct(images, per_sample).float()
-    scores = reward(images, per_sample)
+    read = reward.log_probs(images).argmax(-1).cpu()
     target = torch.tensor([prompt_digit(p) for p in per_sample])
+    correct = (read == target).float()
+    scores = reward(images, per_sample)
     per_digit = [float(correct[target == d].mean()) if (target == d).any() else float("nan") for d in range(10)]
-    return {"accuracy": float(correct.mean()), "reward": float(scores.mean()), "per_digit": per_digit}
+    result = {"accuracy": float(correct.mean()), "reward": float(scores.mean()), "per_digit": per_digit}
+    if judge is not None:
+        judged = judge(images).argmax(-1).cpu()
+        result["judge_accuracy"] = float((judged == target).float().mean())
+        result["judge_agreement"] = float((judged == read).float().mean())
+    return result
 
 
 def module_from_config(config_path, seed: int = 0, **jagg):

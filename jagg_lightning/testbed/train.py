@@ -22,6 +22,7 @@ held-out prompts: the share of samples the classifier reads as the named digit, 
 (split, seeds, steps, losses reached, accuracies, timings) goes to ``training_info.json``.
 
 scikit-learn is needed here only (it is in the ``test`` extra); the shipped weights load without it.
+The independent judge (:mod:`jagg_lightning.testbed.judge`) is fitted on the same split by its own module.
 """
 
 from __future__ import annotations
