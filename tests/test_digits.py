@@ -217,7 +217,6 @@ def test_digit_accuracy_logs_what_it_measures_with_the_judge(tmp_path, rng_seed)
     assert sorted(logged) == [0, 2, 3]
     for key in ("accuracy", "reward", "judge_accuracy", "judge_agreement"):
         name = "val/" + ("digit_" + key if key in ("accuracy", "reward") else key)
-        assert float(logged[3][name]) == pytest.approx(last[key], abs=1e-6)
         assert [float(logged[s][name]) for s in (0, 2, 3)] == pytest.approx([r[key] for r in callback.results])
 
 
