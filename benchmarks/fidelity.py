@@ -58,9 +58,10 @@ def gradient_fidelity(module, prompts: list[str], indices: list[int], step: int,
     from jagg_lightning.batching import batch_slice
     from jagg_lightning.jagg import check_window_gradients, cosine_score, interpolation_residual, plan_windows
 
-    traj, cond, _, rewards, _ = module.rollout_and_score(prompts, indices, 10_000 + step)
+    traj, cond, _, rewards, _ = module.sampler.rollout_and_score(prompts, indices, 10_000 + step,
+                                                                 reward=module.reward_fn)
     K = module.sampling.group_size
-    adv = module.advantages(rewards)  # the config's grpo settings
+    adv = module.updater.advantages(rewards)  # the config's grpo settings
     params = module.policy.lora_parameters()
     rows = []
     for g in range(len(prompts)):
@@ -68,7 +69,7 @@ def gradient_fidelity(module, prompts: list[str], indices: list[int], step: int,
         if adv[index].abs().max() == 0:
             continue  # a constant group has no gradient
         mb = traj.select(index)
-        loss = module.step_loss_fn(mb, adv[index], None, 1.0 / len(module.trained_steps), [])
+        loss = module.updater.step_loss_fn(mb, adv[index], None, 1.0 / len(module.trained_steps), [])
         for W in windows:
             if W > len(module.trained_steps):
                 continue

@@ -32,7 +32,7 @@ def update_gradient(module, traj, cond, advantages, ref, policy_term: bool = Tru
     adv = advantages if policy_term else torch.zeros_like(advantages)
     mb = copy.copy(traj)
     mb.ref_velocities = ref
-    loss = module.step_loss_fn(mb, adv, ref, 1.0 / len(module.plan.trained_steps), [])
+    loss = module.updater.step_loss_fn(mb, adv, ref, 1.0 / len(module.plan.trained_steps), [])
     return flat_gradient(module.policy.velocity, module.policy.lora_parameters(), traj.latents, traj.times, cond, loss,
                          module.plan.windows, cached_velocities=traj.velocities)
 
@@ -42,6 +42,8 @@ def measure(seed: int, train_steps: int) -> dict:
 
     from jagg_lightning.data import PromptDataModule, read_prompts
     from jagg_lightning.jagg import gradient_agreement
+    from jagg_lightning.passes import pass_steps_before_routing
+    from jagg_lightning.rollout import plan_rollout
     from jagg_lightning.testbed.evaluate import module_from_config
 
     torch.manual_seed(seed)
@@ -54,19 +56,20 @@ def measure(seed: int, train_steps: int) -> dict:
 
     batch = [prompts[(7 * seed + i) % len(prompts)] for i in range(4)]
     with module.training_guidance(), torch.no_grad():
-        plan = module.plan = module.plan_rollout(10_000 + seed)
+        plan = module.plan = plan_rollout(module.sampling, module.jagg, 10_000 + seed)
         module.windows = plan.windows
-        traj, cond, _, rewards, _ = module.rollout_and_score(batch, list(range(4)), 10_000 + seed, plan.step_kinds,
-                                                             plan.trained_steps)
-        advantages = module.advantages(rewards)
-        module.route(traj, plan.windows)
+        traj, cond, _, rewards, _ = module.sampler.rollout_and_score(batch, list(range(4)), 10_000 + seed,
+                                                                     plan.step_kinds, plan.trained_steps,
+                                                                     reward=module.reward_fn)
+        advantages = module.updater.advantages(rewards)
+        module.updater.route(traj, plan.windows)
         exact_ref = traj.ref_velocities
         interp = copy.copy(traj)
-        taken = module.pass_steps_before_routing(plan.windows, interiors=False)
+        taken = pass_steps_before_routing(plan.windows, module.jagg, interiors=False)
         interp.ref_velocities = torch.where(
             torch.tensor([k in taken for k in range(exact_ref.shape[0])]).view(-1, *[1] * (exact_ref.ndim - 1)),
             exact_ref, torch.zeros_like(exact_ref))
-        module.complete_reference(interp, cond, plan.windows, taken)
+        module.updater.complete_reference(interp, cond, plan.windows, taken)
     interior = sorted({k for w in plan.windows if w.routed for k in w.interior})
     diff = (interp.ref_velocities - exact_ref)[interior].flatten(2).norm(dim=-1)
     rel_ref = float((diff / exact_ref[interior].flatten(2).norm(dim=-1)).mean())

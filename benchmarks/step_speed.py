@@ -42,9 +42,9 @@ def build(jagg: dict, args) -> JAGGModule:
 
 def update_once(module: JAGGModule, rollout) -> tuple[float, dict]:
     traj, cond, _, rewards, _ = rollout
-    adv = module.advantages(rewards)
-    module.route(traj)
-    loss_of_step = module.step_loss_fn(traj, adv, None, 1.0 / len(module.trained_steps), [])
+    adv = module.updater.advantages(rewards)
+    module.updater.route(traj, module.windows)
+    loss_of_step = module.updater.step_loss_fn(traj, adv, None, 1.0 / len(module.trained_steps), [])
     cache = traj.velocities if module.jagg.cache_interior else None  # theta = theta_old: first update
     start = time.perf_counter()
     records = accumulate_gradients(module.policy.velocity, traj.latents, traj.times, cond, loss_of_step,
@@ -64,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     modules = {name: build(cfg, args) for name, cfg in CONFIGS.items()}
     reference = next(iter(modules.values()))
-    rollout = reference.rollout_and_score(["a cat", "a dog"], [0, 1], step=0)  # one shared rollout
+    rollout = reference.sampler.rollout_and_score(["a cat", "a dog"], [0, 1], step=0, reward=reference.reward_fn)  # one shared rollout
     times = {name: [] for name in modules}
     counts = {}
     for _ in range(args.repeats):

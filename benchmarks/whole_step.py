@@ -127,9 +127,10 @@ def child(args) -> None:
 
         setattr(obj, name, wrapper)
 
-    for obj, name, phase in [(module.policy, "decode", "decode"), (module, "score", "reward"),
-                             (module, "reference_velocity", "kl ref"), (module, "engine_pass", "update"),
-                             (module, "_optimizer_step", "optim")]:
+    # the parts look these up at call time, so wrapping the objects' attributes times every call
+    for obj, name, phase in [(module.policy, "decode", "decode"), (module.sampler, "score", "reward"),
+                             (module.sampler, "reference_velocity", "kl ref"), (module.updater, "engine_pass", "update"),
+                             (module, "step_optimizer", "optim")]:
         timed(obj, name, phase)
 
     weights = {p.untyped_storage().data_ptr() for p in module.policy.parameters()}

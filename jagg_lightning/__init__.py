@@ -2,8 +2,9 @@
 
 __version__ = "0.1.0"
 
+from jagg_lightning.config import EvalConfig, GRPOConfig, JAGGConfig, SamplingConfig
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.module import EvalConfig, GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.module import JAGGModule
 from jagg_lightning.policies import PolicyConfig
 from jagg_lightning.policies.sd3 import SD3Policy
 

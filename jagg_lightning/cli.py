@@ -26,7 +26,8 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from jagg_lightning.callbacks import LoRAExport, PredictionImages
 from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.module import JAGGModule, check_precision
+from jagg_lightning.config import check_precision
+from jagg_lightning.module import JAGGModule
 
 # model settings an existing checkpoint does not depend on: changing them on resume is safe
 SAFE_ON_RESUME = ("sampling.", "grpo.", "jagg.", "evaluation.", "reward", "reward_workers", "policy.guidance_scale",

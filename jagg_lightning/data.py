@@ -44,6 +44,24 @@ def check_prompts(prompts, field: str) -> list[str]:
     return [p.strip() for p in prompts]
 
 
+def unpack_prompt_batch(batch) -> tuple[list[str], list[int]]:
+    """The data contract: a batch is ``{"prompt": [str, ...], "index": [int, ...]}`` (what a DataLoader over
+    :class:`jagg_lightning.data.PromptDataset` yields); the index seeds that prompt's noise."""
+    if not (isinstance(batch, dict) and "prompt" in batch and "index" in batch):
+        got = type(batch).__name__
+        if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], str):
+            got = "a list of strings"
+        raise TypeError(
+            f"JAGGModule batches must be dicts {{'prompt': [str], 'index': [int]}} (each prompt's index seeds its "
+            f"noise), got {got}: wrap your prompts in jagg_lightning.data.PromptDataset(prompts) or use "
+            "PromptDataModule"
+        )
+    prompts, indices = list(batch["prompt"]), [int(i) for i in batch["index"]]
+    if len(prompts) != len(indices) or not all(isinstance(p, str) for p in prompts):
+        raise TypeError(f"a batch needs one str prompt per index, got {len(prompts)} prompts, {len(indices)} indices")
+    return prompts, indices
+
+
 class PromptDataset(Dataset):
     """Item i is {"prompt": str, "index": i}; the index seeds that prompt's rollout noise."""
 

@@ -28,6 +28,15 @@ class LoRAEMA:
         """Start the average at the parameters' current values."""
         self.shadow = {n: p.detach().clone() for n, p in self.params.items()}
 
+    def start(self, resumed: bool) -> None:
+        """At the start of fit: a new run starts the average from the weights training starts with (also a LoRA
+        the user loaded or set after the EMA was made), on their device; a resumed one keeps its restored
+        shadow and moves it to the parameters' device."""
+        if not resumed:
+            self.reset()
+        else:
+            self.shadow = {n: t.to(self.params[n].device) for n, t in self.shadow.items()}
+
     @torch.no_grad()
     def update(self) -> None:
         for name, p in self.params.items():

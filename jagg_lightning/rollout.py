@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from jagg_lightning.batching import batch_slice
-from jagg_lightning.jagg import VelocityFn
+from jagg_lightning.jagg import VelocityFn, Window, plan_windows
 from jagg_lightning.sde import LogProbConvention, StepKind, sample_step, step_distribution
+
+if TYPE_CHECKING:
+    from jagg_lightning.config import JAGGConfig, SamplingConfig
 
 
 def sample_seed(*parts: int) -> int:
@@ -85,6 +88,45 @@ def choose_windows(num_windows: int, fraction: float, seed: int, step: int) -> l
         return list(range(num_windows))
     gen = torch.Generator().manual_seed(sample_seed(seed, step, _WINDOW_CHOICE_STREAM))
     return sorted(torch.randperm(num_windows, generator=gen)[:count].tolist())
+
+
+def step_kinds_at(sampling: SamplingConfig, step: int, rollout: int | None = None) -> tuple[list[str], list[int]]:
+    """(kind of every sampling step, the stochastic steps) of the rollout at ``step``: the SDE window drawn or
+    slid by :func:`sde_window_start`, else the first ``num_trained`` steps; ``rollout``: how many rollouts came
+    before (the progressive SDE window counts them; default ``step``)."""
+    s = sampling
+    if s.sde_window_size is None:
+        stochastic = list(range(s.num_trained))
+        after = "ode" if s.ode_after_trained else s.step_kind
+        kinds = [s.step_kind if k < s.num_trained else after for k in range(s.num_steps)]
+    else:
+        start = sde_window_start(s.seed, step, s.sde_window_size, s.sde_window_range, s.sde_window_schedule,
+                                 s.sde_window_shift_every, s.sde_window_stride, rollout)
+        stochastic = list(range(start, start + s.sde_window_size))
+        kinds = [s.step_kind if k in stochastic else "ode" for k in range(s.num_steps)]
+    return kinds, stochastic
+
+
+@dataclass
+class RolloutPlan:
+    """What one rollout samples and trains, drawn from (seed, global step) only: the same on every process."""
+
+    step_kinds: list[str]  # per sampling step: "sde" / "cps" inside the stochastic steps, "ode" elsewhere
+    stochastic_steps: list[int]  # the SDE window (or the first num_trained steps)
+    windows: list[Window] = field(default_factory=list)  # the JAGG windows trained (after window_fraction)
+
+    @property
+    def trained_steps(self) -> list[int]:
+        return sorted({k for w in self.windows for k in w.steps})
+
+
+def plan_rollout(sampling: SamplingConfig, jagg: JAGGConfig, step: int, rollout: int | None = None) -> RolloutPlan:
+    """Step kinds, SDE window and trained JAGG windows of the rollout at ``step`` (seeded, rank-free);
+    ``rollout``: how many rollouts came before (the progressive SDE window counts them; default step)."""
+    kinds, stochastic = step_kinds_at(sampling, step, rollout)
+    windows = plan_windows(stochastic, jagg.window_size, jagg.chained)
+    chosen = choose_windows(len(windows), sampling.window_fraction, sampling.seed, step)
+    return RolloutPlan(kinds, stochastic, [windows[i] for i in chosen])
 
 
 @dataclass
@@ -185,3 +227,13 @@ def sample_trajectories(
         if on_micro_batch is not None:
             on_micro_batch(part, z, traj)
     return traj
+
+
+@dataclass
+class RolloutBatch:
+    """What one training step's rollout produced, kept until the next step for diagnostics."""
+
+    trajectory: Trajectory
+    cond: tuple
+    advantages: Tensor
+    ref_velocities: Tensor | None

@@ -315,12 +315,13 @@ DDP_VALIDATE = textwrap.dedent('''
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False,
                         enable_model_summary=False)
     module = eval_module(int(sys.argv[2]))
-    seen, score = [], module.score
-    def recording_score(images, prompts):  # what this process scored, sample by sample
-        total, components = score(images, prompts)
+    module.configure_model()
+    seen, score = [], module.sampler.score
+    def recording_score(reward, images, prompts):  # what this process scored, sample by sample
+        total, components = score(reward, images, prompts)
         seen.extend(zip(prompts, total.double().tolist()))
         return total, components
-    module.score = recording_score
+    module.sampler.score = recording_score
     metrics = trainer.validate(module, eval_data(), verbose=False)[0]
     open(f"{sys.argv[1]}/scores_{trainer.global_rank}.json", "w").write(json.dumps(seen))
     if trainer.is_global_zero:

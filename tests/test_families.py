@@ -135,7 +135,7 @@ def test_bfloat16_weights_keep_the_sde_in_float32(case, twin_dirs, rng_seed):
     m32, m16 = modules
     assert m16.policy.transformer.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in m16.policy.lora_parameters())
-    trajs = [m.rollout(PROMPTS, [0, 1], step=0)[0] for m in modules]
+    trajs = [m.sampler.rollout(PROMPTS, [0, 1], step=0)[0] for m in modules]
     t16 = trajs[1]
     assert t16.latents.dtype == t16.log_probs.dtype == t16.velocities.dtype == t16.times.dtype == torch.float32
     assert torch.isfinite(t16.latents).all() and torch.isfinite(t16.log_probs).all()
@@ -183,7 +183,7 @@ def test_update_equals_handwritten_per_step_grpo(case, twin_dirs, jagg_frac, win
     assert full and all(w.routed == bool(jagg_frac) for w in full)
     update = [p.detach() - b for p, b in zip(module.policy.lora_parameters(), before)]
 
-    traj, cond, _, rewards, _ = reference.rollout_and_score(PROMPTS, [0, 1], step=0)
+    traj, cond, _, rewards, _ = reference.sampler.rollout_and_score(PROMPTS, [0, 1], step=0, reward=reference.reward_fn)
     adv = group_advantages(rewards.view(-1, 2)).flatten()
     grads = exact_per_step_gradient(reference.policy, traj, cond, adv, reference.trained_steps)
     expected = [-lr * g for g in grads]

@@ -205,7 +205,7 @@ def test_first_update_ratio_is_one(guidance, rng_seed):
     module = qwen_module(rng_seed % 10_000, grpo={"skip_zero_advantage": False}, guidance_scale=guidance)
     assert isinstance(module.policy, FAMILIES["qwen_image"].policy_class()) and module.policy.guided == (guidance > 1)
     # the module samples on the pipeline's own schedule, not SD3's
-    assert torch.equal(module.times, module.policy.schedule(STEPS))
+    assert torch.equal(module.sampler.times, module.policy.schedule(STEPS))
     fit(module)
     # exactly 1 at every trained step: the anchors take one forward each on the first update, so every training
     # forward has the rollout's batch shape (one batched anchor forward of twice the rows drifted by 1-2 ulp)
@@ -239,7 +239,7 @@ def test_update_equals_handwritten_per_step_grpo(jagg_frac, window_size, rng_see
     assert all(w.routed == (jagg_frac == 1.0) for w in module.windows if len(w.steps) == window_size)
     update = [p.detach() - b for p, b in zip(module.policy.lora_parameters(), before)]
 
-    traj, cond, _, rewards, _ = reference.rollout_and_score(list(PROMPTS), [0, 1], step=0)
+    traj, cond, _, rewards, _ = reference.sampler.rollout_and_score(list(PROMPTS), [0, 1], step=0, reward=reference.reward_fn)
     adv = group_advantages(rewards.view(-1, 2)).flatten()
     grads = exact_per_step_gradient(reference.policy, traj, cond, adv, reference.trained_steps, noise_level=1.2)
     names = [n for n, q in reference.policy.transformer.named_parameters() if q.requires_grad]

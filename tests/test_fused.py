@@ -8,6 +8,7 @@ import torch
 
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.passes import fused_graph_steps, fused_samples, pass_plan
 
 from helpers import randomize_lora_b, rel_error, tiny_policy_config
 
@@ -108,16 +109,16 @@ def test_fused_disjoint_makes_no_forward_beyond_the_rollout(rng_seed):
     assert passes["grad_forward"] == 0 and passes["nograd_forward"] == 0
     assert passes["fused_forward"] == 6 * micro_batches
     assert passes["backward"] == micro_batches
-    assert module.fused_graph_steps(module.windows) == {0, 2, 3, 5, 6, 7}
+    assert fused_graph_steps(module.windows, module.jagg) == {0, 2, 3, 5, 6, 7}
     assert module.first_update_ratio_deviation < 1e-12  # the kept graph IS the rollout's forward
 
 
 def test_kl_reference_is_taken_inside_the_rollout(rng_seed):
     """The reference velocities the rollout records equal a separate adapter-off pass over the trajectory."""
     module = build(rng_seed % 10_000, False, dtype="float32", kl_beta=0.1, rollout_batch_size=4)
-    traj, cond, *_ = module.rollout_and_score(PROMPTS[:2], [0, 1], 0, module.plan.step_kinds,
-                                              module.plan.trained_steps)
-    separate = module.reference_velocities(traj, cond, module.plan.trained_steps)
+    traj, cond, *_ = module.sampler.rollout_and_score(PROMPTS[:2], [0, 1], 0, module.plan.step_kinds,
+                                                      module.plan.trained_steps, reward=module.reward_fn)
+    separate = module.sampler.reference_velocities(traj, cond, module.plan.trained_steps)
     assert traj.ref_velocities is not None and separate.abs().sum() > 0
     assert torch.equal(traj.ref_velocities, separate)
     # ... and differ from the policy's own (the adapter is on in the rollout)
@@ -147,12 +148,12 @@ def test_memory_budget_picks_the_pass_layout_and_keeps_the_gradient(rng_seed):
     seed = rng_seed % 10_000
     reference_update, reference_passes = fit_once(build(seed, False, jagg_frac=1.0))
     probe = build(seed, False, jagg_frac=1.0)
-    a = probe.activation_bytes()
+    a = probe.sampler.activation_bytes()
     # linear in the samples of a pass: four samples keep four times one sample's activations (within 10 %)
-    assert 3.6 * a < probe.activation_bytes(samples=4) < 4.4 * a
+    assert 3.6 * a < probe.sampler.activation_bytes(samples=4) < 4.4 * a
     assert a > 0
     # 6 trained steps, W = 3, all routed: R = 2 windows, E = 0 exact steps
-    probe.route(probe.rollout(PROMPTS[:1], [0], 0)[0])
+    probe.updater.route(probe.sampler.rollout(PROMPTS[:1], [0], 0)[0], probe.windows)
     windows = probe.windows
     assert sum(w.routed for w in windows) == 2
     layouts = {8 * a: (4, 4, False),  # 2 batched passes of 4 beat 4 split passes
@@ -160,14 +161,15 @@ def test_memory_budget_picks_the_pass_layout_and_keeps_the_gradient(rng_seed):
                1.5 * a: (4, 1, True)}  # not even a batched single sample fits: split, one sample a pass
     for budget, (n, size, split) in layouts.items():
         module = build(seed, False, jagg_frac=1.0, memory_budget_mb=budget / 2**20)
-        assert module.pass_plan(n, windows) == (size, split), budget / a
+        assert pass_plan(n, windows, module.jagg, module.sampler.activation_bytes) == (size, split), budget / a
         update, passes = fit_once(module)
         assert rel_error(update, reference_update) < 1e-10
         assert passes["backward"] >= reference_passes["backward"]
     assert passes["backward"] > reference_passes["backward"]
     # the fused mode keeps graphs for as many samples as the budget holds for its kept steps (0 2 3 5)
     fused = build(seed, True, jagg_frac=1.0, memory_budget_mb=4 * 2 * a / 2**20)
-    assert fused.fused_graph_steps(fused.windows) == {0, 2, 3, 5} and fused.fused_samples(4) == 2
+    assert fused_graph_steps(fused.windows, fused.jagg) == {0, 2, 3, 5}
+    assert fused_samples(4, fused.jagg, fused.sampler.activation_bytes) == 2
     update, passes = fit_once(fused)
     assert rel_error(update, reference_update) < 1e-10 and passes["fused_forward"] > 0
 
@@ -185,7 +187,7 @@ def test_interpolated_reference_inside_routed_windows(fused, rng_seed):
     update, passes = fit_once(module)
     batch, windows = module.last_rollout, module.windows
     ref, traj = batch.ref_velocities, batch.trajectory
-    separate = module.reference_velocities(traj, batch.cond, module.plan.trained_steps)
+    separate = module.sampler.reference_velocities(traj, batch.cond, module.plan.trained_steps)
     routed = [w for w in windows if w.routed]
     exact = [w for w in windows if not w.routed]
     assert len(routed) == 1 and len(exact) == 1

@@ -78,7 +78,7 @@ def test_frac0_step_equals_handwritten_grpo(kl_beta, rng_seed):
     update = [p.detach() - b for p, b in zip(module.policy.lora_parameters(), before)]
 
     # the same rollout by hand, then one forward + backward per trained step and a plain SGD step
-    traj, cond, _, rewards, _ = reference.rollout_and_score(PROMPTS[:2], [0, 1], step=0)
+    traj, cond, _, rewards, _ = reference.sampler.rollout_and_score(PROMPTS[:2], [0, 1], step=0, reward=reference.reward_fn)
     adv = group_advantages(rewards.view(-1, 3)).flatten()
     ref_v = None
     if kl_beta:
@@ -128,15 +128,15 @@ def test_rollout_independent_of_micro_batch_and_layout(rng_seed):
     results = []
     for size in (1, 4, 12):
         module.sampling.rollout_batch_size = size
-        results.append(module.rollout(PROMPTS[:4], [0, 1, 2, 3], step=5)[0])
+        results.append(module.sampler.rollout(PROMPTS[:4], [0, 1, 2, 3], step=5)[0])
     for other in results[1:]:
         torch.testing.assert_close(other.latents, results[0].latents, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(other.log_probs, results[0].log_probs, rtol=1e-5, atol=1e-5)
     # a prompt's samples do not depend on which other prompts share the batch
-    alone = module.rollout([PROMPTS[2]], [2], step=5)[0]
+    alone = module.sampler.rollout([PROMPTS[2]], [2], step=5)[0]
     torch.testing.assert_close(alone.latents, results[0].latents[:, 6:9], rtol=1e-5, atol=1e-5)
     # a new step draws new noise
-    assert not torch.allclose(module.rollout([PROMPTS[2]], [2], step=6)[0].latents[0], alone.latents[0])
+    assert not torch.allclose(module.sampler.rollout([PROMPTS[2]], [2], step=6)[0].latents[0], alone.latents[0])
 
 
 def test_jagg_fit_cli_writes_adapter(tmp_path):

@@ -228,8 +228,8 @@ def test_threaded_scoring_equals_synchronous(rewards, rng_seed):
     sync.reward_fn, threaded.reward_fn = combo, combo
     threaded.reward_workers = 2
     sync.sampling.rollout_batch_size = threaded.sampling.rollout_batch_size = 2
-    a = sync.rollout_and_score(PROMPTS[:3], [0, 1, 2], step=3)
-    b = threaded.rollout_and_score(PROMPTS[:3], [0, 1, 2], step=3)
+    a = sync.sampler.rollout_and_score(PROMPTS[:3], [0, 1, 2], step=3, reward=sync.reward_fn)
+    b = threaded.sampler.rollout_and_score(PROMPTS[:3], [0, 1, 2], step=3, reward=threaded.reward_fn)
     threaded.teardown("fit")
     assert torch.equal(a[3], b[3])
     assert set(a[4]) == {"pickscore", "hpsv2", "jpeg_compressibility"}

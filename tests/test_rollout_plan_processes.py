@@ -8,9 +8,9 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from types import SimpleNamespace
 
-from jagg_lightning.module import JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.config import JAGGConfig, SamplingConfig
+from jagg_lightning.rollout import plan_rollout
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLING = dict(num_steps=10, step_kind="cps", sde_window_size=6, sde_window_range=[0, 9], window_fraction=0.5)
@@ -18,17 +18,17 @@ JAGG = dict(window_size=2)
 
 PLAN = textwrap.dedent('''
     import json, os, random, sys
-    from types import SimpleNamespace
     import torch
     import torch.distributed as dist
-    from jagg_lightning.module import JAGGConfig, JAGGModule, SamplingConfig
+    from jagg_lightning.config import JAGGConfig, SamplingConfig
+    from jagg_lightning.rollout import plan_rollout
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(1000 + rank)  # the global streams differ per process: the plan must not read them
     random.seed(1000 + rank)
     sampling, jagg, seed = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
-    owner = SimpleNamespace(sampling=SamplingConfig(seed=seed, **sampling), jagg=JAGGConfig(**jagg))
-    plans = [[list(w.steps) for w in JAGGModule.plan_rollout(owner, step).windows] for step in range(40)]
+    sampling, jagg = SamplingConfig(seed=seed, **sampling), JAGGConfig(**jagg)
+    plans = [[list(w.steps) for w in plan_rollout(sampling, jagg, step).windows] for step in range(40)]
     gathered = [None, None]
     dist.all_gather_object(gathered, plans)
     if rank == 0:
@@ -57,8 +57,8 @@ def test_two_processes_plan_the_same_windows(tmp_path, rng_seed):
     rank0, rank1 = json.loads(out.read_text())
     assert rank0 == rank1
     # and equal to this (third) process's plan
-    owner = SimpleNamespace(sampling=SamplingConfig(seed=seed, **SAMPLING), jagg=JAGGConfig(**JAGG))
-    assert rank0 == [[list(w.steps) for w in JAGGModule.plan_rollout(owner, step).windows] for step in range(40)]
+    sampling, jagg = SamplingConfig(seed=seed, **SAMPLING), JAGGConfig(**JAGG)
+    assert rank0 == [[list(w.steps) for w in plan_rollout(sampling, jagg, step).windows] for step in range(40)]
     # half of the 3 windows of W = 2 in a 6-step SDE window (max(1, int(1.5)) = 1), at varying places
     assert all(len(p) == 1 and len(p[0]) == 2 for p in rank0)
     assert len({tuple(p[0]) for p in rank0}) > 3

@@ -61,11 +61,11 @@ def test_module_routes_by_the_configured_rule(rule, routed, rng_seed):
                         jagg=JAGGConfig(window_size=4, jagg_frac=0.5, routing=rule))
     module.configure_model()
     module.configure_model()  # the schedule is the policy's
-    traj = _disagreeing_trajectory(module.times, torch.Generator().manual_seed(rng_seed))
+    traj = _disagreeing_trajectory(module.sampler.times, torch.Generator().manual_seed(rng_seed))
     r = [float(interpolation_residual(traj.velocities, traj.times, w.steps)) for w in module.windows]
     c = [float(cosine_score(traj.velocities, traj.times, w.steps)) for w in module.windows]
     assert r[0] > r[1] and c[0] < c[1]  # the two rules disagree on this trajectory
-    windows = module.route(traj)
+    windows = module.updater.route(traj, module.windows)
     assert [w.routed for w in windows] == routed
     assert [w.score for w in windows] == pytest.approx(r if rule == "residual" else c)
 

@@ -3,6 +3,7 @@ MixGRPO), CFG-free training, window subsampling (DanceGRPO's timestep_fraction),
 skip, and the first-update ratio warning."""
 
 import copy
+import re
 import warnings
 
 import lightning as L
@@ -13,7 +14,8 @@ from jagg_lightning.data import PromptDataModule
 from jagg_lightning.grpo import StepLossStats, group_advantages
 from jagg_lightning.module import EvalConfig, GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.rewards import Reward
-from jagg_lightning.rollout import choose_windows, sde_window_start
+from jagg_lightning.metrics import FirstUpdateRatioCheck
+from jagg_lightning.rollout import choose_windows, plan_rollout, sde_window_start
 
 from helpers import exact_per_step_gradient, randomize_lora_b, rel_error, tiny_policy_config
 from test_module import PROMPTS, fit
@@ -66,7 +68,7 @@ def test_sde_window_trains_only_its_steps_and_equals_exact_grpo(case, rng_seed):
                    dtype="float64")
     reference = copy.deepcopy(module)
     update, _ = lora_update(module)
-    plan = module.plan_rollout(0)
+    plan = plan_rollout(module.sampling, module.jagg, 0)
     assert [w.steps for w in plan.windows] == [w.steps for w in module.windows]
     assert plan.trained_steps == [k for w in module.windows for k in w.steps]
     start = plan.stochastic_steps[0]
@@ -77,7 +79,7 @@ def test_sde_window_trains_only_its_steps_and_equals_exact_grpo(case, rng_seed):
         assert len(module.windows) == 1  # 2 windows of W = 2 in a 4-step window, half of them trained
     assert {k for r in module.window_records for k in r.steps} == set(plan.trained_steps)  # nothing else trained
 
-    traj, cond, _, rewards, _ = reference.rollout_and_score(PROMPTS[:2], [0, 1], 0, plan.step_kinds)
+    traj, cond, _, rewards, _ = reference.sampler.rollout_and_score(PROMPTS[:2], [0, 1], 0, plan.step_kinds, reward=reference.reward_fn)
     for k, kind in enumerate(plan.step_kinds):
         inside = k in plan.stochastic_steps
         assert kind == (case["kind"] if inside else "ode")
@@ -180,7 +182,7 @@ def test_cfg_free_training_makes_one_forward_per_step_and_evaluation_keeps_guida
                    evaluation=EvalConfig(num_steps=2, guidance_scale=3.0), guidance_scale=4.5)
     counter = RowCounter(module.policy.transformer)
     steps, samples, micro = 6, 6, 2  # 2 prompts x 3 samples, rollout micro-batches of 3
-    rollout = module.rollout_and_score
+    rollout = module.sampler.rollout_and_score
     seen = {}
 
     def counted_rollout(*args, **kwargs):
@@ -190,7 +192,7 @@ def test_cfg_free_training_makes_one_forward_per_step_and_evaluation_keeps_guida
         seen["scale"] = module.policy.config.guidance_scale
         return out
 
-    module.rollout_and_score = counted_rollout
+    module.sampler.rollout_and_score = counted_rollout
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = fit(module, 1)
@@ -259,7 +261,7 @@ def test_all_zero_advantage_update_is_the_zero_gradient_step(rng_seed):
 
 # ---------------------------------------------------------------------------------------------- ratio warning
 def _first_update_stats(log_ratio, old_log_prob):
-    """One micro-batch's first-update diagnostics, as `_update` collects them ([B] per sample)."""
+    """One micro-batch's first-update diagnostics, as the unfused update collects them ([B] per sample)."""
     zeros = torch.zeros_like(log_ratio)
     return [(None, StepLossStats(policy_loss=zeros, kl=zeros, ratio=log_ratio.exp(), approx_kl=0.5 * log_ratio**2,
                                  clipped=zeros, log_ratio=log_ratio, old_log_prob=old_log_prob))]
@@ -270,26 +272,25 @@ def test_first_update_ratio_check_names_the_cause(rollout_batch_size, rng_seed):
     """Mismatched batch sizes in float32: any drift is reported and blamed on the mismatch. Matched sizes:
     drift within 4 eps (1 + |log pi_old|) is float noise; beyond it the forward is blamed."""
     torch.manual_seed(rng_seed)
-    module = build(rng_seed % 10_000, dict(rollout_batch_size=rollout_batch_size))
+    check = FirstUpdateRatioCheck(SamplingConfig(num_steps=4, group_size=3, rollout_batch_size=rollout_batch_size),
+                                  GRPOConfig(train_batch_size=3), JAGGConfig(window_size=2), torch.float32)
     old = -torch.rand(6, dtype=torch.float64) * 5
     eps = torch.finfo(torch.float32).eps
     ulp_drift = torch.zeros(6, dtype=torch.float64)
     i = torch.randint(6, ())
     ulp_drift[i] = eps * (1 + old[i].abs())  # a quarter of the noise bound
     if rollout_batch_size == 1:
-        with pytest.warns(UserWarning, match=r"deviates from 1 .*grpo\.train_batch_size \(3\) differs from "
-                                             r"sampling\.rollout_batch_size \(1\)"):
-            module._check_first_update_ratio(_first_update_stats(ulp_drift, old))
-        assert module.first_update_ratio_off
+        assert re.search(r"deviates from 1 .*grpo\.train_batch_size \(3\) differs from sampling\.rollout_batch_size \(1\)",
+                         check(_first_update_stats(ulp_drift, old)))
+        assert check.off
     else:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("error", message=".*importance ratio of the first update")
-            module._check_first_update_ratio(_first_update_stats(ulp_drift, old))
-        assert not module.first_update_ratio_off
-        with pytest.warns(UserWarning, match=r"deviates from 1 .*beyond float noise .*nondeterministic kernels"):
-            module._check_first_update_ratio(_first_update_stats(ulp_drift * 100, old))
-        assert module.first_update_ratio_off
-    assert module.first_update_ratio_deviation == pytest.approx(float(ulp_drift.abs().max()) * (1 if rollout_batch_size == 1 else 100))
+        assert check(_first_update_stats(ulp_drift, old)) is None
+        assert not check.off
+        assert re.search(r"deviates from 1 .*beyond float noise .*nondeterministic kernels",
+                         check(_first_update_stats(ulp_drift * 100, old)))
+        assert check.off
+    assert check.deviation == pytest.approx(float(ulp_drift.abs().max()) * (1 if rollout_batch_size == 1 else 100))
+    assert check(_first_update_stats(ulp_drift * 100, old)) is None and check.off  # the text comes once
 
 
 def test_first_update_ratio_with_mismatched_batch_sizes_is_reported_in_fit(rng_seed):

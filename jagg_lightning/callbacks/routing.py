@@ -9,15 +9,8 @@ import lightning as L
 import numpy as np
 import torch
 
-from jagg_lightning.callbacks.images import log_image
+from jagg_lightning.images import log_dir, log_image
 from jagg_lightning.io import atomic_write
-
-
-def log_dir(trainer: L.Trainer) -> Path:
-    """The run's log directory (the first logger's), or ``default_root_dir`` without a logger.
-
-    ``trainer.log_dir`` broadcasts from rank 0: call this on EVERY process, before any rank-zero-only branch."""
-    return Path(trainer.log_dir or trainer.default_root_dir)
 
 
 class RoutingStats(L.Callback):
@@ -72,7 +65,7 @@ class RoutingStats(L.Callback):
             return
         path = log_dir(trainer) / "routing.png"  # on every process (it broadcasts)
         if trainer.is_global_zero:
-            self.save_plot(path, pl_module.times[pl_module.trained_steps], trainer)
+            self.save_plot(path, pl_module.sampler.times[pl_module.trained_steps], trainer)
 
     def save_plot(self, path: Path, times: torch.Tensor, trainer: L.Trainer | None = None) -> Path:
         """Write the plot to ``path`` and, given a trainer, send it to its image-capable loggers as ``routing``."""

@@ -7,28 +7,15 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
-from PIL import Image
 
-from jagg_lightning.callbacks.images import log_image
-from jagg_lightning.callbacks.routing import log_dir
-from jagg_lightning.io import atomic_write
-from jagg_lightning.rollout import sample_generators, sample_trajectories
-
-
-def image_grid(rows: list[list[torch.Tensor]]) -> np.ndarray:
-    """Images [3, H, W] in [0, 1], laid out row by row -> uint8 array [rows*H, cols*W, 3]."""
-    return np.concatenate(
-        [np.concatenate([(img.permute(1, 2, 0).float().cpu().numpy() * 255).round() for img in row], axis=1)
-         for row in rows],
-        axis=0,
-    ).astype(np.uint8)
+from jagg_lightning.images import image_grid, log_dir, write_image
 
 
 class SampleImages(L.Callback):
     """Every ``every_n_steps`` training steps and at the end of fit: one row per prompt, columns
     [adapter off, adapter on] (EMA weights when enabled), same seed for both. Writes
     ``<dirpath>/step_XXXXXX.png`` (default dirpath: ``<log dir>/samples``) and sends the grid to every
-    logger that takes images (:func:`jagg_lightning.callbacks.images.log_image`)."""
+    logger that takes images (:func:`jagg_lightning.images.log_image`)."""
 
     def __init__(self, prompts: list[str], every_n_steps: int = 50, seed: int = 0, num_steps: int | None = None,
                  dirpath: str | None = None):
@@ -44,20 +31,13 @@ class SampleImages(L.Callback):
 
     @torch.no_grad()
     def sample(self, pl_module) -> np.ndarray:
-        policy = pl_module.policy
+        sampler = pl_module.sampler
         steps = self.num_steps or pl_module.sampling.num_steps
-        times = pl_module.schedule(steps)
-        cond = policy.encode_prompts(self.prompts)
 
         def images():
-            traj = sample_trajectories(
-                policy.velocity, cond, sample_generators(self.seed, 0, range(len(self.prompts)), 1),
-                policy.latent_shape, times, ["ode"] * steps, 0.0, pl_module.sampling.rollout_batch_size,
-                pl_module.device, pl_module._sde_dtype,
-            )
-            return policy.decode(traj.latents[-1])
+            return sampler.ode_images(self.prompts, range(len(self.prompts)), 1, self.seed, 0, steps)
 
-        with policy.adapter_disabled():
+        with pl_module.policy.adapter_disabled():
             base = images()
         with pl_module.inference_weights():
             tuned = images()
@@ -68,9 +48,7 @@ class SampleImages(L.Callback):
         path = Path(self.dirpath or log_dir(trainer) / "samples") / f"step_{trainer.global_step:06d}.png"
         if not trainer.is_global_zero:  # log_dir above runs on every process: it broadcasts
             return
-        atomic_write(path, lambda tmp: Image.fromarray(grid).save(tmp, format="PNG"))
-        self.written.append(path)
-        log_image(trainer, "samples", grid, trainer.global_step)
+        self.written.append(write_image(trainer, path, "samples", grid))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._step += 1

@@ -1,6 +1,6 @@
 """Held-out prompt following on the digits test bed: ODE samples of fixed seeds, read by the classifier.
 
-Plain torch on a :class:`~jagg_lightning.module.JAGGModule` (its policy, schedule and inference
+Plain torch on a :class:`~jagg_lightning.module.JAGGModule` (its sampler, policy and inference
 weights), so a validation loop, a callback or a benchmark can all call it.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from jagg_lightning.rewards.digits import DigitReward, prompt_digit
-from jagg_lightning.rollout import sample_generators, sample_trajectories
 from jagg_lightning.testbed import HELDOUT_TEMPLATES, digit_prompts
 from jagg_lightning.testbed.judge import DigitJudge
 
@@ -21,20 +20,13 @@ def sample_images(module, prompts: list[str], samples_per_prompt: int, seed: int
 
     Noise of sample i of prompt j depends only on (seed, j, i); ``adapter=False`` samples the base model.
     """
-    policy = module.policy
     steps = num_steps or module.sampling.num_steps
-    cond = tuple(c.repeat_interleave(samples_per_prompt, dim=0) for c in policy.encode_prompts(list(prompts)))
 
     def run():
-        traj = sample_trajectories(
-            policy.velocity, cond, sample_generators(seed, 0, range(len(prompts)), samples_per_prompt),
-            policy.latent_shape, module.schedule(steps), ["ode"] * steps, 0.0, module.sampling.rollout_batch_size,
-            module.device, module._sde_dtype,
-        )
-        return policy.decode(traj.latents[-1])
+        return module.sampler.ode_images(list(prompts), range(len(prompts)), samples_per_prompt, seed, 0, steps)
 
     if not adapter:
-        with policy.adapter_disabled():
+        with module.policy.adapter_disabled():
             return run()
     with module.inference_weights():
         return run()

@@ -1,0 +1,69 @@
+"""What crosses processes in a training step: sums and means over the data-parallel processes, the largest
+count, the local backward and the ONE gradient all-reduce per optimizer update.
+
+:class:`Collectives` wraps the Trainer the module is attached to (``None`` outside a Trainer: one process,
+every collective the identity). The strategy's model is looked up at call time: DDP wraps the module only
+after the setup hooks have run.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+
+
+class Collectives:
+    def __init__(self, trainer=None):
+        self.trainer = trainer
+        self.gradient_all_reduces = 0  # made through this object: one per optimizer update under DDP
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.trainer is None else self.trainer.world_size
+
+    def ddp_model(self) -> DistributedDataParallel | None:
+        model = self.trainer.strategy.model if self.trainer is not None else None
+        return model if isinstance(model, DistributedDataParallel) else None
+
+    def local_backward(self):
+        """Context for an update's backward calls: DDP's reducer (which would all-reduce on every backward;
+        JAGG makes several per update) stays off, and :meth:`all_reduce_gradients` makes the one all-reduce.
+        (Lightning's DDP forward redirection already keeps the forward from arming the reducer.)"""
+        return self.trainer.strategy.block_backward_sync() if self.ddp_model() is not None else nullcontext()
+
+    def sum(self, tensor: Tensor) -> Tensor:
+        """Sum over the data-parallel processes, in place (one collective; identity on one process)."""
+        if self.trainer is None or self.trainer.world_size == 1 or not dist.is_initialized():
+            return tensor
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def mean(self, tensor: Tensor) -> Tensor:
+        """Mean over the processes (the strategy's reduce; identity outside a Trainer)."""
+        if self.trainer is None:
+            return tensor
+        return self.trainer.strategy.reduce(tensor, reduce_op="mean")
+
+    def max_count_if_sharded(self, count: Tensor) -> Tensor:
+        """The largest ``count`` over the processes under a sharded strategy (FSDP2 gathers its weights inside
+        every pass, so every process must make as many passes); ``count`` itself otherwise (DDP's backward
+        stays local: one gradient all-reduce per update, zeros for a rank without passes)."""
+        if self.trainer is not None and self.trainer.world_size > 1 and self.ddp_model() is None:
+            return self.trainer.strategy.all_gather(count).max()
+        return count
+
+    def all_reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Under DDP: average the gradients of ``params`` over the processes with ONE all-reduce of their flat
+        concatenation (a parameter without a gradient contributes zeros, so every rank sends the same size)."""
+        if self.ddp_model() is None:
+            return
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().to(dtype) for p in params])
+        self.sum(flat).div_(self.trainer.world_size)
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad = g.view_as(p).to(p.dtype)
+        self.gradient_all_reduces += 1

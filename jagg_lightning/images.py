@@ -1,0 +1,56 @@
+"""Sample images on disk and in loggers: grids of samples, the run's log directory, and every attached logger
+that takes images, each through its own Lightning API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger
+
+from jagg_lightning.io import atomic_write
+
+
+def image_grid(rows: list[list[torch.Tensor]]) -> np.ndarray:
+    """Images [3, H, W] in [0, 1], laid out row by row -> uint8 array [rows*H, cols*W, 3]."""
+    return np.concatenate(
+        [np.concatenate([(img.permute(1, 2, 0).float().cpu().numpy() * 255).round() for img in row], axis=1)
+         for row in rows],
+        axis=0,
+    ).astype(np.uint8)
+
+
+def log_dir(trainer) -> Path:
+    """The run's log directory (the first logger's), or ``default_root_dir`` without a logger.
+
+    ``trainer.log_dir`` broadcasts from rank 0: call this on EVERY process, before any rank-zero-only branch."""
+    return Path(trainer.log_dir or trainer.default_root_dir)
+
+
+def log_image(trainer, key: str, image: np.ndarray, step: int) -> list[str]:
+    """Send one RGB image (uint8 [H, W, 3]) to every image-capable logger of ``trainer``: TensorBoard
+    (``experiment.add_image``), MLflow (``experiment.log_image`` of the logger's run) and any logger with a
+    ``log_image(key, images, step)`` method (W&B, Neptune, ...). Returns the class names of those that took it."""
+    took = []
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            logger.experiment.add_image(key, image, step, dataformats="HWC")
+        elif isinstance(logger, MLFlowLogger):
+            logger.experiment.log_image(logger.run_id, image, key=key.replace("/", "_"), step=step)
+        elif callable(getattr(logger, "log_image", None)):
+            logger.log_image(key=key, images=[image], step=step)
+        else:
+            continue
+        took.append(type(logger).__name__)
+    return took
+
+
+def write_image(trainer, path: Path, key: str, image: np.ndarray) -> Path:
+    """Write ``image`` (uint8 [H, W, 3]) to ``path`` as PNG (crash-safe) and send it to the loggers as ``key``.
+    Call on rank zero only."""
+    from PIL import Image
+
+    atomic_write(path, lambda tmp: Image.fromarray(image).save(tmp, format="PNG"))
+    log_image(trainer, key, image, trainer.global_step)
+    return path

@@ -1,0 +1,218 @@
+"""The sampling side of a training step: schedule, prompt encoding, the rollout with its scoring, the KL
+reference velocities, ODE samples for evaluation, and the activation size a memory budget is measured in.
+
+A :class:`Sampler` is handed the policy, the ``sampling`` settings and the KL weight (a reference is taken only
+when it is > 0); the reward is handed in with each call that scores (the module's ``reward_fn``, which a user
+may replace at any time). It never calls back into the module. Plain torch, no Lightning.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from jagg_lightning.batching import batch_slice
+from jagg_lightning.rewards import Reward
+from jagg_lightning.rewards.base import RewardError
+from jagg_lightning.rollout import Trajectory, sample_generators, sample_trajectories, step_kinds_at
+
+EVAL_STEP = -1  # the "global step" that seeds evaluation noise: the same at every evaluation
+
+
+def sde_dtype_of(policy_dtype: str | None) -> torch.dtype:
+    """The SDE math runs in float32 whatever the model dtype (float64 with a float64 policy)."""
+    return torch.float64 if policy_dtype == "float64" else torch.float32
+
+
+class Sampler:
+    def __init__(self, policy, sampling, kl_beta: float, reward_workers: int = 0):
+        self.policy, self.sampling, self.kl_beta, self.reward_workers = policy, sampling, kl_beta, reward_workers
+        self.sde_dtype = sde_dtype_of(policy.config.dtype)
+        self.reference_forwards = 0  # adapter-off forwards (of a micro-batch) since the caller last reset it
+        self._pool: ThreadPoolExecutor | None = None
+        self._schedules: dict[tuple, Tensor] = {}
+        self._activation_bytes: dict[float, int] = {}  # per guidance scale: see activation_bytes()
+
+    @property
+    def device(self) -> torch.device:
+        return self.policy.device
+
+    def schedule(self, num_steps: int | None = None) -> Tensor:
+        """The sampling times t_0 = 1 > ... > t_S = 0 (default: the rollout's ``num_steps``): the family
+        pipeline's own scheduler sigmas at the policy's resolution, or a static ``sampling.shift``."""
+        num_steps = num_steps or self.sampling.num_steps
+        key = (num_steps, self.sampling.shift)
+        if key not in self._schedules:
+            self._schedules[key] = self.policy.schedule(num_steps, self.sampling.shift)
+        return self._schedules[key]
+
+    @property
+    def times(self) -> Tensor:
+        return self.schedule()
+
+    @contextmanager
+    def guidance(self, scale: float | None):
+        """The policy with classifier-free guidance ``scale`` (None = unchanged) for the duration."""
+        if scale is None:
+            yield
+            return
+        previous = self.policy.config.guidance_scale
+        self.policy.config.guidance_scale = float(scale)
+        try:
+            yield
+        finally:
+            self.policy.config.guidance_scale = previous
+
+    # ------------------------------------------------------------------ rollout
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> tuple:
+        """The per-sample condition of a rollout: each prompt's embeddings repeated K times (prompt-major)."""
+        K = self.sampling.group_size
+        return tuple(c.repeat_interleave(K, dim=0) for c in self.policy.encode_prompts(prompts))
+
+    @torch.no_grad()
+    def rollout(self, prompts: list[str], prompt_indices: list[int], step: int,
+                on_micro_batch=None, step_kinds: list[str] | None = None, reference_steps: list[int] = (),
+                cond: tuple | None = None, **graph_options) -> tuple[Trajectory, tuple]:
+        """K samples per prompt (prompt-major): the trajectory and the per-sample condition.
+
+        ``step_kinds`` default: those of the rollout at ``step`` (:func:`~jagg_lightning.rollout.step_kinds_at`).
+        With kl_beta > 0 the reference velocity (adapter off) of every ``reference_steps`` step is taken
+        inside the rollout, on the same z and t (``traj.ref_velocities``). ``cond``: :meth:`encode` of the
+        prompts, if already made. ``graph_options``: the fused mode's ``grad_steps``, ``grad_samples`` and
+        ``on_graph`` (:func:`sample_trajectories`)."""
+        K = self.sampling.group_size
+        cond = self.encode(prompts) if cond is None else cond
+        traj = sample_trajectories(
+            self.policy.velocity, cond, sample_generators(self.sampling.seed, step, prompt_indices, K),
+            self.policy.latent_shape, self.times, step_kinds or step_kinds_at(self.sampling, step)[0],
+            self.sampling.noise_level, self.sampling.rollout_batch_size, self.device, self.sde_dtype,
+            on_micro_batch, self.sampling.cps_log_prob,
+            reference_fn=self.reference_velocity if self.kl_beta > 0 and reference_steps else None,
+            reference_steps=set(reference_steps), **graph_options,
+        )
+        return traj, cond
+
+    @torch.no_grad()
+    def rollout_and_score(self, prompts: list[str], prompt_indices: list[int], step: int,
+                          step_kinds: list[str] | None = None, reference_steps: list[int] = (), *, reward: Reward):
+        """The rollout with every micro-batch decoded as soon as it is sampled and scored -- in a thread
+        pool when ``reward_workers`` > 0, so scoring overlaps the next micro-batch's sampling.
+
+        Returns (trajectory, condition, per-sample prompts, rewards [N], {component: scores [N]}).
+        """
+        sample_prompts = [p for p in prompts for _ in range(self.sampling.group_size)]
+        pending: list[Future] = []
+
+        def score_micro_batch(part: slice, final: Tensor, _traj: Trajectory) -> None:
+            images = self.policy.decode(final)
+            if self.reward_workers:
+                pending.append(self._reward_pool().submit(self.score, reward, images, sample_prompts[part]))
+            else:
+                done: Future = Future()
+                done.set_result(self.score(reward, images, sample_prompts[part]))
+                pending.append(done)
+
+        traj, cond = self.rollout(prompts, prompt_indices, step, score_micro_batch, step_kinds, reference_steps)
+        results = [f.result() for f in pending]
+        rewards = torch.cat([total for total, _ in results])
+        components = {name: torch.cat([c[name] for _, c in results]) for name in results[0][1]}
+        return traj, cond, sample_prompts, rewards, components
+
+    def score(self, reward: Reward, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
+        """The reward's total and components; a failure is re-raised naming the reward."""
+        try:
+            return reward.score_with_components(images, prompts)
+        except Exception as err:
+            if isinstance(err, RewardError) or str(err).startswith("reward "):  # already names the reward
+                raise
+            raise RewardError(f"reward {reward.name} ({type(reward).__name__}) failed while scoring "
+                              f"{len(prompts)} images: {type(err).__name__}: {err}") from err
+
+    def _reward_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.reward_workers, thread_name_prefix="jagg-reward")
+        return self._pool
+
+    def close(self) -> None:
+        """Shut the reward workers down (a later rollout starts new ones)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # ------------------------------------------------------------------ KL reference
+    @torch.no_grad()
+    def reference_velocity(self, z: Tensor, t: Tensor, cond) -> Tensor:
+        """The reference policy's velocity: the policy with its adapter off (counted: ``train/passes/reference_forward``)."""
+        self.reference_forwards += 1
+        with self.policy.adapter_disabled():
+            return self.policy.velocity(z, t, cond)
+
+    @torch.no_grad()
+    def reference_velocities(self, traj: Trajectory, cond: tuple, steps: list[int]) -> Tensor | None:
+        """v with the adapter off at every step of ``steps``, zeros elsewhere, as a separate pass over a finished
+        trajectory (training takes them inside the rollout instead; this is the independent check);
+        theta-independent, so once per rollout."""
+        if self.kl_beta == 0:
+            return None
+        out = torch.zeros_like(traj.velocities)
+        for k in steps:
+            self.reference_at_step(traj, cond, k, out)
+        return out
+
+    @torch.no_grad()
+    def reference_at_step(self, traj: Trajectory, cond: tuple, k: int, out: Tensor) -> None:
+        """out[k] = the reference velocity at step k of the finished ``traj``, in rollout-sized passes."""
+        size = self.sampling.rollout_batch_size
+        for i in range(0, out.shape[1], size):
+            z = traj.latents[k, i : i + size]
+            out[k, i : i + size] = self.reference_velocity(z, traj.times[k].expand(z.shape[0]),
+                                                           batch_slice(cond, slice(i, i + size)))
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def ode_images(self, prompts: list[str], prompt_indices, samples_per_prompt: int, seed: int, step: int,
+                   num_steps: int) -> Tensor:
+        """``samples_per_prompt`` images per prompt (prompt-major) [N, 3, H, W] in [0, 1] by ODE (Euler)
+        sampling with ``num_steps`` steps and the policy's current guidance and weights; the noise of sample i
+        of prompt index j depends on (seed, step, j, i) only."""
+        cond = tuple(c.repeat_interleave(samples_per_prompt, dim=0) for c in self.policy.encode_prompts(list(prompts)))
+        traj = sample_trajectories(
+            self.policy.velocity, cond, sample_generators(seed, step, prompt_indices, samples_per_prompt),
+            self.policy.latent_shape, self.schedule(num_steps), ["ode"] * num_steps, 0.0,
+            self.sampling.rollout_batch_size, self.device, self.sde_dtype,
+        )
+        return self.policy.decode(traj.latents[-1])
+
+    # ------------------------------------------------------------------ memory budget
+    def activation_bytes(self, samples: int = 1) -> int:
+        """Bytes autograd keeps for the backward of ONE sample's forward with grad (the velocity at the
+        current guidance: with CFG both branches), measured once by counting the tensors saved for
+        backward (frozen weights excluded, shared storage counted once): the unit of
+        ``jagg.memory_budget_mb``. Activations grow linearly with the samples in a pass (``samples`` > 1
+        measures a pass of that many, uncached)."""
+        if samples > 1:
+            return self._measure_activation_bytes(samples)
+        key = float(self.policy.config.guidance_scale)
+        if key not in self._activation_bytes:
+            self._activation_bytes[key] = self._measure_activation_bytes(1)
+        return self._activation_bytes[key]
+
+    def _measure_activation_bytes(self, samples: int) -> int:
+        weights = {p.untyped_storage().data_ptr() for p in self.policy.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t: Tensor):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in weights:
+                seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+            return t
+
+        cond = tuple(c[:1].repeat_interleave(samples, dim=0) for c in self.encode(["a"]))
+        z = torch.randn(samples, *self.policy.latent_shape, generator=torch.Generator().manual_seed(0))
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            self.policy.velocity(z.to(self.device), torch.full((samples,), 0.5, device=self.device), cond)
+        return sum(seen.values())
