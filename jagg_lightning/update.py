@@ -184,7 +184,11 @@ class Updater:
         report = StepReport(traj, cond, rewards, components, advantages, [], [], [], 0)
         theta_is_old = True
         for _ in range(self.grpo.inner_epochs):
-            micro = torch.randperm(num, generator=shuffle).to(self.sampler.device).split(self.grpo.train_batch_size)
+            # shuffled into micro-batches, each in the rollout's row order: a matmul kernel may round a row
+            # differently by its position in the batch (AVX-512 blocks rows), so on the first update the forwards
+            # see the rollout's rows where they were and the ratio is 1 bit for bit
+            perm = torch.randperm(num, generator=shuffle).to(self.sampler.device)
+            micro = [m.sort().values for m in perm.split(self.grpo.train_batch_size)]
             per_update = self.grpo.micro_batches_per_update or len(micro)
             for start in range(0, len(micro), per_update):
                 group = micro[start : start + per_update]

@@ -52,8 +52,9 @@ def fit(module, steps=1, prompts=PROMPTS[:2], callbacks=()):
                                                               "train_batch_size": 2}])
 def test_first_update_ratio_is_one(options, guidance, rng_seed):
     """Exactly 1 (bit for bit, float32) at every trained step of the first update, CFG on or off, when the
-    training micro-batch is the rollout's (a mismatch drifts in float32 and warns by design: another row
-    count picks other matmul kernels)."""
+    training micro-batch is the rollout's size (a mismatch drifts in float32 and warns by design: another row
+    count picks other matmul kernels). Guaranteed because each training micro-batch also keeps the rollout's row
+    order: in a shuffled order, AVX-512 CPUs rounded rows differently by position (guidance off, 6 rows)."""
     # the zero-advantage skip would repack a micro-batch smaller than the rollout's (jpeg rewards tie at times)
     options = {"train_batch_size": 6, "skip_zero_advantage": False} | options
     module = make_module(rng_seed % 10_000, rollout_batch_size=options["train_batch_size"], **options)

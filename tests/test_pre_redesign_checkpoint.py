@@ -2,9 +2,12 @@
 uninterrupted old run continued (tests/fixtures/pre_redesign, made by its make_fixture.py at the commit in
 ``expected.safetensors``' metadata): LoRA weights, their EMA and the AdamW moments after two more steps.
 
-float64 throughout. On a CPU whose kernels round like the one that wrote the fixture (today's code re-running the
-first two steps reproduces the checkpoint's weights bit for bit) the comparison is bit for bit; elsewhere it is to
-1e-9 relative, far below what any change of behaviour moves (one step of lr 1e-2 changes weights by ~1e-2)."""
+float64 throughout. Where today's code computes the first two steps exactly as the old code did (same CPU kernels,
+same summation order: re-running them reproduces the checkpoint's weights bit for bit) the comparison is bit for
+bit -- it was, on the machine that wrote the fixture, for the redesign commit. Elsewhere it is to 1e-9 relative:
+another CPU's kernels, or a deliberate change of float summation order (since then the training micro-batches keep
+the rollout's row order, which moves float64 sums by ulps), stay far below that, while any change of behaviour
+moves the weights by ~1e-2 a step (lr 1e-2)."""
 
 import sys
 from pathlib import Path
