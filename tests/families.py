@@ -1,7 +1,7 @@
 """The tiny twin of every model family the per-family tests run on (tests/test_families.py).
 
 To test a new family, add a ``FamilyCase`` here (its twin builder, guidance values and tiny `jagg fit`
-config): every test of tests/test_families.py then runs on it. Qwen-Image is not a ``FamilyCase``: its
+config, and how its guidance and schedule behave): every test of tests/test_families.py then runs on it. Qwen-Image is not a ``FamilyCase``: its
 own file, tests/test_family_qwen_image.py, repeats the same checks (see docs/model_families.md).
 """
 
@@ -13,7 +13,9 @@ from typing import Callable
 import torch
 
 from jagg_lightning.policies.flux import build_tiny_flux_pipeline
+from jagg_lightning.policies.flux2 import build_tiny_flux2_pipeline
 from jagg_lightning.policies.sd3 import build_tiny_sd3_pipeline
+from jagg_lightning.policies.z_image import build_tiny_z_image_pipeline
 
 from helpers import tiny_policy_config
 
@@ -29,6 +31,10 @@ class FamilyCase:
     call_kwargs: dict = field(default_factory=dict)  # extra pipeline __call__ arguments
     training: bool = True  # run the training tests (plain SD3 has its own in test_module / test_checkpoint_export)
     tiny_config: str = "configs/tiny.yaml"  # the family's `jagg fit` config for its twin (test_jagg_fit_...)
+    cfg: bool = True  # guidance on means a second (negative) branch; False: embedded guidance, one forward
+    dynamic_shift: bool = False  # the schedule follows the resolution (the scheduler's dynamic shift)
+    # the pipeline __call__'s guidance_scale for the policy's (Z-Image: the pipeline's w is the library's g - 1)
+    pipeline_guidance: Callable[[float], float] = lambda g: g
 
     def config(self, **kw):
         return tiny_policy_config(**(self.overrides | kw))
@@ -44,7 +50,15 @@ CASES = [
                (1.0, 4.0), tiny_config="configs/sd35_tiny.yaml"),
     # FLUX: its own Flow-GRPO targets (null), embedded guidance 1.0 vs 3.5, one forward either way
     FamilyCase("flux", "flux", "FluxPolicy", lambda seed, dtype: build_tiny_flux_pipeline(seed, dtype), (1.0, 3.5),
-               overrides={"lora_targets": None}, tiny_config="configs/flux_tiny.yaml"),
+               overrides={"lora_targets": None}, tiny_config="configs/flux_tiny.yaml", cfg=False, dynamic_shift=True),
+    # FLUX.2 [klein] base: true CFG with "" as the negative, Qwen3 prompts (32 tokens hold the chat template)
+    FamilyCase("flux2", "flux2", "Flux2Policy", lambda seed, dtype: build_tiny_flux2_pipeline(seed, dtype), (1.0, 4.0),
+               overrides={"lora_targets": None, "max_sequence_length": 32}, tiny_config="configs/flux2_tiny.yaml",
+               dynamic_shift=True),
+    # Z-Image: CFG written pos + w (pos - neg) by the pipeline, so its guidance_scale is the policy's minus 1
+    FamilyCase("z_image", "z_image", "ZImagePolicy", lambda seed, dtype: build_tiny_z_image_pipeline(seed, dtype),
+               (1.0, 4.0), overrides={"lora_targets": None, "max_sequence_length": 32},
+               tiny_config="configs/z_image_tiny.yaml", pipeline_guidance=lambda g: g - 1),
 ]
 
 TRAINING_CASES = [case for case in CASES if case.training]

@@ -26,6 +26,17 @@ REFERENCE = {
                               "guidance_scale": 1.0, "train_guidance_scale": 1.0, "eval_guidance_scale": 1.0,
                               "step_kind": "cps", "sde_window_size": 3, "sde_window_range": [0, 5],
                               "clip_range": 1e-5, "kl_beta": 0.0, "adv_std": "global", "group_size": 18},
+    # Flow-Factory's flux2_klein_base / z_image / z_image_turbo LoRA recipes (Z-Image's guidance is the pipeline's + 1)
+    "flux2_klein.yaml": {"family": "flux2", "num_steps": 8, "noise_level": 0.7, "lora_rank": 64, "lora_alpha": 128,
+                         "guidance_scale": 4.0, "kl_beta": 0.0, "clip_range": 1e-4, "adv_std": "group", "group_size": 16,
+                         "dtype": "bfloat16", "precision": "bf16-true", "sde_window_size": 3,
+                         "sde_window_range": [1, 4], "window_size": 3},
+    "z_image.yaml": {"family": "z_image", "num_steps": 10, "noise_level": 0.7, "lora_rank": 64, "lora_alpha": 128,
+                     "guidance_scale": 5.0, "eval_guidance_scale": 5.0, "kl_beta": 0.0, "clip_range": 1e-4,
+                     "adv_std": "group", "group_size": 16, "dtype": "float32", "precision": "bf16-mixed",
+                     "sde_window_size": 3, "sde_window_range": [1, 4], "window_size": 3},
+    "z_image_turbo.yaml": {"family": "z_image", "num_steps": 6, "guidance_scale": 1.0, "eval_guidance_scale": 1.0,
+                           "noise_level": 0.7, "sde_window_size": 3, "sde_window_range": [1, 4], "window_size": 3},
 }
 
 

@@ -39,6 +39,8 @@ if importlib.util.find_spec("jagg_lightning.policies.flux") is not None:
     register_family("flux", ("FluxPipeline",), "jagg_lightning.policies.flux", "FluxPolicy")
 if importlib.util.find_spec("jagg_lightning.policies.qwen_image") is not None:
     register_family("qwen_image", ("QwenImagePipeline",), "jagg_lightning.policies.qwen_image", "QwenImagePolicy")
+register_family("flux2", ("Flux2KleinPipeline",), "jagg_lightning.policies.flux2", "Flux2Policy")
+register_family("z_image", ("ZImagePipeline",), "jagg_lightning.policies.z_image", "ZImagePolicy")
 
 
 def _supported() -> str:
