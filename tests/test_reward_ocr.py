@@ -1,6 +1,7 @@
 """OcrReward: Flow-GRPO's OCR reward on text rendered with Pillow, read by the PP-OCR models inside the
 rapidocr-onnxruntime wheel -- with the network closed."""
 
+import copy
 import socket
 import sys
 from pathlib import Path
@@ -99,6 +100,8 @@ def test_registered_by_name_and_checks_its_arguments():
     reward = build_reward("ocr")
     assert isinstance(reward, OcrReward) and describe_reward(reward) == "ocr"
     assert build_reward(OcrReward(text_score=0.3).describe()).text_score == 0.3
+    copied = copy.deepcopy(reward)  # as DDP's spawn start method pickles it: the copy loads its own models
+    assert copied.engine is not reward.engine and copied(render("garden")[None], ['"garden"']).item() == 1.0
     with pytest.raises(ValueError, match=r"text_score must be in \[0, 1\], got 1.5"):
         OcrReward(text_score=1.5)
     with pytest.raises(ValueError, match="threads must be an integer >= 1, got 0"):

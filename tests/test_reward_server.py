@@ -147,6 +147,12 @@ def test_refusals_get_the_documented_4xx(server):
     huge = save({"images": np.zeros((1, 300, 300, 3), np.uint8)}, metadata={"prompts": json.dumps(["digit 1"])})
     status, answer = post(server, huge)
     assert status == 413 and f"limit of {int(MAX_BODY_MB * 2**20)} bytes" in answer["error"]
+    # far over the limit the server closes the connection mid-send: the client still names the limit, at once
+    remote = RemoteReward(server, token=f"{TOKEN}", retries=3, backoff=5.0)
+    started = time.monotonic()
+    with pytest.raises(RewardError, match=f"exceeds the server's limit of {int(MAX_BODY_MB * 2**20)} bytes"):
+        remote(torch.rand(8, 3, 512, 512), ["digit 1"] * 8)
+    assert time.monotonic() - started < 5.0
     cases = [  # (body, content type, status, words the message must hold)
         (save({"images": images.transpose(0, 3, 1, 2).copy()}, metadata={"prompts": json.dumps(["1", "2"])}),
          "application/vnd.safetensors", 422, "shape [B, H, W, 3] (RGB, channels last), got [2, 3, 32, 32]"),

@@ -85,16 +85,27 @@ class OcrReward(Reward):
             raise ValueError(f"reward ocr: text_score must be in [0, 1], got {text_score}")
         if int(threads) != threads or threads < 1:
             raise ValueError(f"reward ocr: threads must be an integer >= 1, got {threads}")
+        self.text_score, self.threads = float(text_score), int(threads)
+        self.engine = self._engine()
+        self.freeze()
+
+    def _engine(self):
         try:
             from rapidocr_onnxruntime import RapidOCR
         except ImportError as err:
             raise ImportError("reward ocr needs rapidocr-onnxruntime: pip install 'jagg_lightning[ocr]'") from err
-        self.text_score = float(text_score)
         # the detection and recognition models are the ONNX files inside the wheel (models/), loaded
         # from disk; the angle classifier is off, as in Flow-GRPO (rendered text is upright)
-        self.engine = RapidOCR(text_score=self.text_score, use_cls=False, intra_op_num_threads=int(threads),
-                               inter_op_num_threads=1)
-        self.freeze()
+        return RapidOCR(text_score=self.text_score, use_cls=False, intra_op_num_threads=self.threads,
+                        inter_op_num_threads=1)
+
+    # onnxruntime sessions cannot be pickled: a copy (deepcopy, a spawned DDP worker) loads its own
+    def __getstate__(self):
+        return {**self.__dict__, "engine": None}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.engine = self._engine()
 
     def read(self, images: Tensor) -> list[str]:
         """What the OCR reads in each image [B, 3, H, W] in [0, 1]: confident lines joined, not normalised."""

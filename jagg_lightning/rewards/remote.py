@@ -112,8 +112,26 @@ class RemoteReward(Reward):
             except (urllib.error.URLError, OSError, http.client.HTTPException) as err:  # no (complete) answer
                 reason = getattr(err, "reason", err)
                 last = f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__
+                if body is not None and isinstance(reason, (ConnectionResetError, BrokenPipeError)):
+                    self._refuse_if_too_large(len(body))
         raise RewardError(_one_line(f"reward {self.name}: {url} failed {self.retries + 1} attempt(s) "
                                     f"(timeout {self.timeout:g}s each); last status: {last}"))
+
+    def _refuse_if_too_large(self, size: int) -> None:
+        """A server refuses an oversize body with 413 before reading it and closes the connection; a large
+        body is then cut off mid-send and the 413 never arrives. Ask /health for the limit (one try) and
+        say so, rather than retrying what cannot succeed."""
+        try:
+            request = urllib.request.Request(self.url + "/health", headers=self._headers())
+            with self._opener.open(request, timeout=min(self.timeout, 10.0)) as answer:
+                limit = json.loads(answer.read())["limits"]["max_body_bytes"]
+        except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError):
+            # no answer, or a server without jagg's /health: keep retrying as for any dropped connection
+            return
+        if isinstance(limit, int) and size > limit:
+            raise RewardError(f"reward {self.name}: {self.url}/score refused the request: body of {size} bytes "
+                              f"exceeds the server's limit of {limit} bytes (its --max_body_mb); score smaller "
+                              f"micro-batches or raise the limit")
 
     def health(self) -> dict:
         """The server's ``GET /health`` answer (reward name, class, versions, limits)."""
