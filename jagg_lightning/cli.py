@@ -1,7 +1,8 @@
 """``jagg fit --config configs/tiny.yaml``: LightningCLI over JAGGModule and PromptDataModule.
 
 Subcommands: ``fit``, ``validate`` (held-out prompts, ODE sampling, see docs/configuration.md),
-``predict`` (images for prompts with the trained adapter) and ``test``.
+``predict`` (images for prompts with the trained adapter), ``test`` and ``serve-reward`` (a reward behind
+HTTP, :mod:`jagg_lightning.rewards.server`; not a LightningCLI subcommand).
 
 What the CLI adds to LightningCLI:
 
@@ -124,6 +125,10 @@ def cli_main(args=None, run: bool = True) -> JAGGCLI:
 
 def main() -> None:
     """Console entry point (``jagg``): returns nothing, so the exit status is LightningCLI's."""
+    if sys.argv[1:2] == ["serve-reward"]:  # its own argument parser: it builds a reward, not a Trainer
+        from jagg_lightning.rewards.server import serve_main
+
+        raise SystemExit(serve_main(sys.argv[2:]))
     cli_main()
 
 

@@ -1,7 +1,9 @@
 """Rewards: one file per scorer, all following :class:`Reward` (images in [0, 1], prompts -> scores [B]).
 
-The JPEG rewards need no weights and the digits reward ships its own; they are registered by name; model-based rewards take local paths and
-are configured by ``class_path`` (they import their heavy dependencies only when built).
+The JPEG rewards need no weights, the digits reward ships its own and the OCR reward uses the models inside
+its wheel; they are registered by name. Model-based rewards take local paths and are configured by
+``class_path`` (they import their heavy dependencies only when built), as is :class:`RemoteReward`, a
+reward scored by a ``jagg serve-reward`` server.
 """
 
 import sys
@@ -12,10 +14,13 @@ from jagg_lightning.rewards.clipscore import CLIPScoreReward
 from jagg_lightning.rewards.digits import DigitReward
 from jagg_lightning.rewards.hpsv2 import HPSv2Reward
 from jagg_lightning.rewards.jpeg import JpegCompressibility, JpegIncompressibility
+from jagg_lightning.rewards.ocr import OcrReward
 from jagg_lightning.rewards.pickscore import PickScoreReward
+from jagg_lightning.rewards.remote import RemoteReward
 from jagg_lightning.rewards.weighted import WeightedReward
 
-REWARDS: dict[str, type[Reward]] = {cls.name: cls for cls in (JpegCompressibility, JpegIncompressibility, DigitReward)}
+REWARDS: dict[str, type[Reward]] = {
+    cls.name: cls for cls in (JpegCompressibility, JpegIncompressibility, DigitReward, OcrReward)}
 
 
 def build_reward(reward: str | Reward | dict) -> Reward:
@@ -69,5 +74,5 @@ def _rebuild_arg(value):
 
 
 __all__ = ["REWARDS", "AestheticReward", "CLIPScoreReward", "DigitReward", "HPSv2Reward", "JpegCompressibility",
-           "JpegIncompressibility", "PickScoreReward", "Reward", "WeightedReward", "build_reward", "check_images", "describe_reward",
-           "to_pil"]
+           "JpegIncompressibility", "OcrReward", "PickScoreReward", "RemoteReward", "Reward", "WeightedReward",
+           "build_reward", "check_images", "describe_reward", "to_pil"]

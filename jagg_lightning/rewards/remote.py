@@ -1,0 +1,196 @@
+"""A reward scored by a ``jagg serve-reward`` server (or anything speaking its wire format).
+
+The client needs nothing beyond the standard library (``urllib``): the training process does not
+install the server's web stack.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import os
+import time
+import urllib.error
+import urllib.request
+
+import torch
+from torch import Tensor
+
+from jagg_lightning.rewards.base import Reward, RewardError, check_images
+from jagg_lightning.rewards.wire import ENCODINGS, encode
+
+RETRIED_STATUSES = (429, 500, 502, 503, 504)  # the server is busy or broken: another try may succeed
+MAX_BACKOFF_S = 30.0
+
+
+class RemoteReward(Reward):
+    """Scores from ``POST {url}/score``; usable wherever a reward is (inside ``WeightedReward`` too).
+
+    Args:
+        url: the server's base address, ``http://host:port`` (``https://`` too); ``/score`` is appended.
+        timeout: seconds one attempt may take (connect + score + answer), > 0.
+        retries: further attempts after a timeout, a refused connection or a 429/5xx status, >= 0; attempt
+            i > 0 waits ``backoff * 2**(i - 1)`` seconds (at most 30). 4xx answers are not retried: the
+            same request would be refused again.
+        token: the bearer token, literally or as ``env:VAR`` (read from the environment now; only the
+            ``env:`` form is recorded in the hyper-parameters, so a checkpoint never holds the secret).
+        name: the reward's name (its key among a ``WeightedReward``'s components).
+        encoding: ``safetensors`` (raw uint8) or ``png`` (JSON with base64 PNGs); both are 8-bit.
+        backoff: seconds before the first retry, >= 0.
+
+    When every attempt fails, one :class:`RewardError` names the URL, the attempts and the last status,
+    on one line. An answer with the wrong number of scores or a non-finite score is refused. Requests go
+    straight to ``url`` (no HTTP proxy from the environment). Images travel as 8 bits per channel:
+    the served reward scores ``wire.quantize(images)``.
+    """
+
+    name = "remote"
+
+    def __init__(self, url: str, timeout: float = 60.0, retries: int = 3, token: str | None = None,
+                 name: str = "remote", encoding: str = "safetensors", backoff: float = 1.0):
+        super().__init__()
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"reward remote: url must start with http:// or https://, got {url!r}")
+        if not timeout > 0:
+            raise ValueError(f"reward remote: timeout must be > 0 seconds, got {timeout}")
+        if int(retries) != retries or retries < 0:
+            raise ValueError(f"reward remote: retries must be an integer >= 0, got {retries}")
+        if not backoff >= 0:
+            raise ValueError(f"reward remote: backoff must be >= 0 seconds, got {backoff}")
+        if encoding not in ENCODINGS:
+            raise ValueError(f"reward remote: encoding must be one of {list(ENCODINGS)}, got {encoding!r}")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"reward remote: name must be a non-empty string, got {name!r}")
+        self.url = url.rstrip("/")
+        self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
+        self.encoding, self.name = encoding, name
+        self._token = self._resolve_token(token)
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self.freeze()
+
+    def _resolve_token(self, token: str | None) -> str | None:
+        if token is None or not token.startswith("env:"):
+            return token
+        value = os.environ.get(token[4:], "")
+        if not value:
+            raise ValueError(f"reward {self.name}: token {token!r}: environment variable {token[4:]} is unset or empty")
+        return value
+
+    def describe(self) -> dict:
+        described = super().describe()
+        token = described.get("init_args", {}).get("token")
+        if token is not None and not token.startswith("env:"):
+            return {"class_path": described["class_path"],
+                    "not_rebuildable": "its token was given literally and is not recorded; give token: env:VAR"}
+        return described
+
+    def _headers(self, content_type: str | None = None) -> dict:
+        headers = {"Accept": "application/json"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        return headers
+
+    def _call(self, path: str, body: bytes | None = None, content_type: str | None = None) -> bytes:
+        """One request with retries; the answer's body, or one RewardError naming the URL and the last status."""
+        url, last = self.url + path, "no attempt"
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(self.backoff * 2 ** (attempt - 1), MAX_BACKOFF_S))
+            request = urllib.request.Request(url, data=body, headers=self._headers(content_type),
+                                             method="GET" if body is None else "POST")
+            try:
+                with self._opener.open(request, timeout=self.timeout) as answer:
+                    return answer.read()
+            except urllib.error.HTTPError as err:  # an answer with a 4xx/5xx status
+                detail = _error_text(err)
+                last = f"HTTP {err.code}: {detail}"
+                if err.code not in RETRIED_STATUSES:
+                    raise RewardError(_one_line(f"reward {self.name}: {url} refused the request: {last}")) from None
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as err:  # no (complete) answer
+                reason = getattr(err, "reason", err)
+                last = f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__
+                if body is not None and isinstance(reason, (ConnectionResetError, BrokenPipeError)):
+                    self._refuse_if_too_large(len(body))
+        raise RewardError(_one_line(f"reward {self.name}: {url} failed {self.retries + 1} attempt(s) "
+                                    f"(timeout {self.timeout:g}s each); last status: {last}"))
+
+    def _refuse_if_too_large(self, size: int) -> None:
+        """A server refuses an oversize body with 413 before reading it and closes the connection; a large
+        body is then cut off mid-send and the 413 never arrives. Ask /health for the limit (one try) and
+        say so, rather than retrying what cannot succeed."""
+        try:
+            request = urllib.request.Request(self.url + "/health", headers=self._headers())
+            with self._opener.open(request, timeout=min(self.timeout, 10.0)) as answer:
+                limit = json.loads(answer.read())["limits"]["max_body_bytes"]
+        except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError):
+            # no answer, or a server without jagg's /health: keep retrying as for any dropped connection
+            return
+        if isinstance(limit, int) and size > limit:
+            raise RewardError(f"reward {self.name}: {self.url}/score refused the request: body of {size} bytes "
+                              f"exceeds the server's limit of {limit} bytes (its --max_body_mb); score smaller "
+                              f"micro-batches or raise the limit")
+
+    def health(self) -> dict:
+        """The server's ``GET /health`` answer (reward name, class, versions, limits)."""
+        return json.loads(self._call("/health"))
+
+    def _request(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
+        body, content_type = encode(images, prompts, self.encoding)
+        raw = self._call("/score", body, content_type)
+        try:
+            answer = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise RewardError(_one_line(f"reward {self.name}: {self.url}/score answered something that is not "
+                                        f"JSON: {raw[:200]!r}")) from None
+        if not isinstance(answer, dict):
+            raise RewardError(f"reward {self.name}: {self.url}/score answered {type(answer).__name__}, not an object")
+        total = self._column(answer.get("scores"), "scores", len(prompts))
+        components = answer.get("components") or {}
+        if not isinstance(components, dict):
+            raise RewardError(f"reward {self.name}: {self.url}/score: components must be an object")
+        parts = {str(k): self._column(v, f"components[{k!r}]", len(prompts)) for k, v in components.items()}
+        device = images.device
+        return total.to(device), {k: v.to(device) for k, v in parts.items()}
+
+    def _column(self, values, field: str, count: int) -> Tensor:
+        """B finite numbers, or a refusal naming the field: a short or NaN answer must not reach the advantages."""
+        if not isinstance(values, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                   for v in values):
+            raise RewardError(f"reward {self.name}: {self.url}/score: {field} must be a list of numbers")
+        if len(values) != count:
+            raise RewardError(f"reward {self.name}: {self.url}/score returned {len(values)} {field} for "
+                              f"{count} images; refusing it")
+        if not all(math.isfinite(v) for v in values):
+            raise RewardError(_one_line(f"reward {self.name}: {self.url}/score returned a non-finite value in "
+                                        f"{field}: {values}; refusing to train on it"))
+        return torch.tensor(values, dtype=torch.float32)
+
+    def score(self, images: Tensor, prompts: list[str]) -> Tensor:
+        return self._request(images, prompts)[0]
+
+    @torch.no_grad()
+    def score_with_components(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
+        """The served total and the served reward's own components (one request); a single served reward
+        is reported under this reward's ``name``."""
+        check_images(images, prompts, self.name)
+        total, components = self._request(images, prompts)
+        return total, (components if len(components) > 1 else {self.name: total})
+
+
+def _error_text(err: urllib.error.HTTPError) -> str:
+    """The server's ``{"error": ...}`` message, else the start of whatever it answered."""
+    try:
+        raw = err.read(2000)
+    except (OSError, http.client.HTTPException):
+        return err.reason or ""
+    try:
+        return str(json.loads(raw)["error"])
+    except (ValueError, KeyError, TypeError):
+        return raw[:200].decode("utf-8", "replace") or str(err.reason)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

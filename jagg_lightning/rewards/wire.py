@@ -1,0 +1,179 @@
+"""The reward server's wire format (docs/rewards.md, "Served rewards"): no pickle, two encodings.
+
+``POST /score`` takes B images and B prompts as either
+
+- ``Content-Type: application/vnd.safetensors`` (the default of :class:`RemoteReward`): a safetensors
+  file holding exactly one tensor, ``images``, dtype ``U8``, shape ``[B, H, W, 3]`` (RGB rows, the
+  layout of PIL and numpy images), with the prompts as a JSON array of B strings in the file's
+  metadata under ``prompts``; or
+- ``Content-Type: application/json``: ``{"prompts": [B strings], "images": [B base64 PNG strings]}``,
+  every PNG 8-bit RGB and all of one size.
+
+Both are 8 bits per channel: the sender rounds ``x * 255`` (as :func:`jagg_lightning.rewards.to_pil`
+does), the server scores ``uint8 / 255``. :func:`quantize` gives the images the server sees, so an
+in-process score of ``quantize(images)`` equals the served one. The answer is JSON:
+``{"reward": name, "scores": [B floats], "components": {name: [B floats], ...}}``; a refusal is
+``{"error": message}`` with a 4xx status (:class:`WireError`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import struct
+
+import numpy as np
+import torch
+from torch import Tensor
+
+SAFETENSORS = "application/vnd.safetensors"
+JSON = "application/json"
+ENCODINGS = ("safetensors", "png")
+
+
+class WireError(ValueError):
+    """A request the server refuses; ``status`` is the HTTP status that says why (4xx)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def to_uint8(images: Tensor) -> np.ndarray:
+    """[B, 3, H, W] in [0, 1] -> uint8 [B, H, W, 3]: round(x * 255), the rounding of ``to_pil``."""
+    # contiguous: astype keeps the permuted strides, and safetensors writes the raw buffer as if row-major
+    array = (images.detach().float().clamp(0, 1).cpu().permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+    return np.ascontiguousarray(array)
+
+
+def from_uint8(array: np.ndarray) -> Tensor:
+    """uint8 [B, H, W, 3] -> float32 [B, 3, H, W] in [0, 1]: what the served reward scores."""
+    return torch.from_numpy(np.ascontiguousarray(array)).permute(0, 3, 1, 2).float().div(255)
+
+
+def quantize(images: Tensor) -> Tensor:
+    """The images exactly as the server sees them (8 bits per channel), on the images' device."""
+    return from_uint8(to_uint8(images)).to(images.device)
+
+
+def encode(images: Tensor, prompts: list[str], encoding: str = "safetensors") -> tuple[bytes, str]:
+    """A ``POST /score`` body and its content type."""
+    array = to_uint8(images)
+    if encoding == "safetensors":
+        from safetensors.numpy import save
+
+        return save({"images": array}, metadata={"prompts": json.dumps(list(prompts))}), SAFETENSORS
+    if encoding == "png":
+        from PIL import Image
+
+        pngs = []
+        for image in array:
+            buffer = io.BytesIO()
+            Image.fromarray(image).save(buffer, format="PNG", compress_level=1)  # lossless; level only trades speed
+            pngs.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
+        return json.dumps({"prompts": list(prompts), "images": pngs}).encode(), JSON
+    raise ValueError(f"encoding must be one of {list(ENCODINGS)}, got {encoding!r}")
+
+
+def decode(body: bytes, content_type: str, max_batch: int, max_side: int) -> tuple[np.ndarray, list[str]]:
+    """A request body -> (uint8 [B, H, W, 3], B prompts), or a :class:`WireError` naming what is wrong."""
+    kind = content_type.split(";")[0].strip().lower()
+    if kind in (SAFETENSORS, "application/octet-stream"):
+        array, prompts = _decode_safetensors(body, max_batch, max_side)
+    elif kind == JSON:
+        array, prompts = _decode_json(body, max_batch, max_side)
+    else:
+        raise WireError(415, f"Content-Type must be {SAFETENSORS} or {JSON}, got {content_type!r}")
+    if array.shape[0] != len(prompts):
+        raise WireError(422, f"got {array.shape[0]} images but {len(prompts)} prompts; send one prompt per image")
+    return array, prompts
+
+
+def _check_prompts(prompts, max_batch: int) -> list[str]:
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise WireError(422, "prompts must be a JSON array of strings")
+    if not 1 <= len(prompts) <= max_batch:
+        raise WireError(422, f"the batch must hold 1 to {max_batch} images (the server's --max_batch), "
+                             f"got {len(prompts)}")
+    return prompts
+
+
+def _check_shape(shape, max_side: int) -> None:
+    if len(shape) != 4 or shape[3] != 3:
+        raise WireError(422, f"images must have shape [B, H, W, 3] (RGB, channels last), got {list(shape)}")
+    if not (1 <= shape[1] <= max_side and 1 <= shape[2] <= max_side):
+        raise WireError(422, f"image height and width must be in [1, {max_side}] (the server's --max_side), "
+                             f"got {shape[1]}x{shape[2]}")
+
+
+def _decode_safetensors(body: bytes, max_batch: int, max_side: int) -> tuple[np.ndarray, list[str]]:
+    # read the header first, so a wrong dtype or shape is named before any tensor is built
+    if len(body) < 8:
+        raise WireError(400, "body is not a safetensors file (shorter than its 8-byte header length)")
+    (size,) = struct.unpack("<Q", body[:8])
+    if size > len(body) - 8:
+        raise WireError(400, f"body is not a safetensors file (header length {size} exceeds the body)")
+    try:
+        header = json.loads(body[8:8 + size])
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WireError(400, f"body is not a safetensors file (header is not JSON: {err})") from None
+    if not isinstance(header, dict):
+        raise WireError(400, "body is not a safetensors file (header is not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    if set(header) != {"images"}:
+        raise WireError(422, f"the safetensors file must hold exactly one tensor named 'images', got {sorted(header)}")
+    info = header["images"]
+    if not isinstance(info, dict) or info.get("dtype") != "U8":
+        dtype = info.get("dtype") if isinstance(info, dict) else info
+        raise WireError(422, f"images must have dtype U8 (uint8, 0-255), got {dtype!r}")
+    _check_shape(info.get("shape", []), max_side)
+    try:
+        prompts = json.loads(metadata.get("prompts", "null"))
+    except json.JSONDecodeError as err:
+        raise WireError(422, f"metadata 'prompts' must be a JSON array of strings ({err})") from None
+    _check_prompts(prompts, max_batch)
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
+
+    try:
+        array = load(body)["images"]
+    except SafetensorError as err:
+        raise WireError(400, f"body is not a valid safetensors file: {err}") from None
+    return array, prompts
+
+
+def _decode_json(body: bytes, max_batch: int, max_side: int) -> tuple[np.ndarray, list[str]]:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        request = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WireError(400, f"body is not JSON: {err}") from None
+    if not isinstance(request, dict) or set(request) != {"prompts", "images"}:
+        raise WireError(422, 'the JSON body must be {"prompts": [...], "images": [base64 PNG, ...]}')
+    prompts = _check_prompts(request["prompts"], max_batch)
+    pngs = request["images"]
+    if not isinstance(pngs, list) or not all(isinstance(p, str) for p in pngs):
+        raise WireError(422, "images must be a JSON array of base64-encoded PNG strings")
+    if len(pngs) != len(prompts):
+        raise WireError(422, f"got {len(pngs)} images but {len(prompts)} prompts; send one prompt per image")
+    arrays = []
+    for i, text in enumerate(pngs):
+        try:
+            image = Image.open(io.BytesIO(base64.b64decode(text, validate=True)), formats=["PNG"])
+        except (binascii.Error, UnidentifiedImageError) as err:
+            raise WireError(400, f"images[{i}] is not a base64-encoded PNG ({err})") from None
+        width, height = image.size  # from the header, before the pixels are decompressed
+        _check_shape((len(pngs), height, width, 3), max_side)
+        if image.mode != "RGB":
+            raise WireError(422, f"images[{i}] must be 8-bit RGB, got PNG mode {image.mode!r}")
+        if arrays and (height, width) != arrays[0].shape[:2]:
+            raise WireError(422, f"images[{i}] is {height}x{width} but images[0] is "
+                                 f"{arrays[0].shape[0]}x{arrays[0].shape[1]}; a batch has one size")
+        try:
+            arrays.append(np.asarray(image, dtype=np.uint8))
+        except OSError as err:  # a truncated or corrupt PNG fails only when its pixels are read
+            raise WireError(400, f"images[{i}] is not a readable PNG ({err})") from None
+    return np.stack(arrays), prompts
