@@ -29,6 +29,7 @@ from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.config import check_precision
 from jagg_lightning.module import JAGGModule
+from jagg_lightning.rewards.base import RewardError
 
 # model settings an existing checkpoint does not depend on: changing them on resume is safe
 SAFE_ON_RESUME = ("sampling.", "grpo.", "jagg.", "evaluation.", "reward", "reward_workers", "policy.guidance_scale",
@@ -129,7 +130,11 @@ def main() -> None:
         from jagg_lightning.rewards.server import serve_main
 
         raise SystemExit(serve_main(sys.argv[2:]))
-    cli_main()
+    try:
+        cli_main()
+    except RewardError as err:  # a reward (a server) failed: its one line, not a traceback; checkpoints are intact
+        print(f"jagg: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

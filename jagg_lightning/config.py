@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from jagg_lightning.grpo import KL_CONVENTIONS
+from jagg_lightning.grpo import KL_CONVENTIONS, MULTI_REWARD
 from jagg_lightning.jagg import ROUTING_SCORES
 from jagg_lightning.sde import CPS_LOG_PROBS
 
@@ -128,7 +128,9 @@ class GRPOConfig:
     ``kl_convention``: "flow_grpo" divides the KL by 2 sigma_k^2 (Flow-GRPO), "exact" by 2 s_k^2.
     ``std_ddof``: 0 (np.std, Flow-GRPO) or 1 (unbiased, DanceGRPO) for the advantage std; ``adv_eps`` is
     added to it. ``skip_zero_advantage``: with kl_beta 0, samples whose advantage is exactly 0 (a group
-    of equal rewards) get no forward or backward; the update is the same."""
+    of equal rewards) get no forward or backward; the update is the same. ``multi_reward`` (several rewards,
+    ``WeightedReward``): "weighted_sum" group-normalises the weighted sum of the rewards; "per_reward"
+    group-normalises each reward on its own and sums the weighted advantages (``grpo.combined_advantages``)."""
 
     clip_range: float = 1e-4
     kl_beta: float = 0.0
@@ -142,6 +144,7 @@ class GRPOConfig:
     std_ddof: int = 0
     adv_eps: float = 1e-4
     skip_zero_advantage: bool = True
+    multi_reward: Literal["weighted_sum", "per_reward"] = "weighted_sum"
 
     def __post_init__(self):
         check_ints(self, "grpo", "inner_epochs", "train_batch_size", "micro_batches_per_update", "std_ddof")
@@ -158,6 +161,8 @@ class GRPOConfig:
         check(self.kl_convention in KL_CONVENTIONS, "grpo.kl_convention", "'flow_grpo' or 'exact'", self.kl_convention)
         check(self.std_ddof in (0, 1), "grpo.std_ddof", "0 (np.std) or 1 (unbiased)", self.std_ddof)
         check(self.adv_eps > 0, "grpo.adv_eps", "> 0", self.adv_eps)
+        check(self.multi_reward in MULTI_REWARD, "grpo.multi_reward", "'weighted_sum' (normalise the weighted sum of "
+              "the rewards) or 'per_reward' (normalise each reward, then sum the weighted advantages)", self.multi_reward)
 
 
 @dataclass

@@ -25,6 +25,7 @@ Plain torch: no Lightning here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -95,6 +96,63 @@ def group_advantages(
     advantages = (centred / (scale + eps)).clamp(-adv_clip, adv_clip)
     constant = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
     return torch.where(constant, torch.zeros_like(advantages), advantages)
+
+
+MULTI_REWARD = ("weighted_sum", "per_reward")
+
+
+def combined_advantages(
+    rewards: Tensor,
+    components: dict[str, Tensor],
+    weights: dict[str, float] | None,
+    group_size: int,
+    mode: Literal["weighted_sum", "per_reward"] = "weighted_sum",
+    std: Literal["group", "global"] = "global",
+    eps: float = 1e-4,
+    adv_clip: float = 5.0,
+    ddof: int = 0,
+    all_reduce: AllReduce | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Advantages [N] (prompt-major) of a step's rewards, and each weighted reward's additive part of them [N].
+
+    ``rewards`` is the reward's total, sum_n w_n r_n over the ``components`` named in ``weights`` (None:
+    unknown, e.g. a served weighted reward; no parts then).
+    "weighted_sum": the total is group-normalised (:func:`group_advantages`, unchanged); reward n's part is
+    w_n (r_n - mean_g r_n) / (std(total) + eps).
+    "per_reward": each reward is group-normalised on its own (its own std, unclipped), A_n, and the
+    advantage is clip(sum_n w_n A_n, +-adv_clip); reward n's part is w_n A_n. A reward with a small spread then
+    counts as much as one with a large spread. In both modes the parts sum to the advantage before the clip,
+    and a group where every reward ties gets exactly 0.
+    """
+    if mode not in MULTI_REWARD:
+        raise ValueError(f"mode must be one of {MULTI_REWARD}, got {mode!r}")
+    names = list(weights or {})
+    missing = [n for n in names if n not in components]
+    if missing:
+        raise ValueError(f"rewards {missing} are weighted but not among the components {sorted(components)}")
+
+    def grouped(r: Tensor) -> Tensor:
+        return r.reshape(-1, group_size)
+
+    if mode == "per_reward":
+        if not names:
+            raise ValueError("per-reward advantages need the weight of every reward")
+        parts = {n: weights[n] * group_advantages(grouped(components[n]), std, eps, math.inf, ddof, all_reduce).flatten()
+                 for n in names}
+        total = torch.stack(list(parts.values())).sum(0)
+        tied = torch.stack([(grouped(components[n]) == grouped(components[n])[:, :1]).all(dim=1) for n in names]).all(0)
+        advantages = torch.where(tied.repeat_interleave(group_size), torch.zeros_like(total),
+                                 total.clamp(-adv_clip, adv_clip))
+        return advantages, parts
+    advantages = group_advantages(grouped(rewards), std, eps, adv_clip, ddof, all_reduce).flatten()
+    if len(names) < 2:
+        return advantages, dict.fromkeys(names, advantages)
+    total = grouped(rewards).to(advantages.dtype)
+    scale = (total.std(dim=1, keepdim=True, correction=ddof) if std == "group"
+             else global_reward_std(total, ddof, all_reduce)) + eps
+    parts = {n: (weights[n] * (grouped(components[n]) - grouped(components[n]).mean(dim=1, keepdim=True)).to(scale)
+                 / scale).flatten() for n in names}
+    return advantages, parts
 
 
 @dataclass

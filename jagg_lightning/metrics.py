@@ -43,7 +43,25 @@ def train_metrics(report: StepReport, windows: list[Window], ratio: FirstUpdateR
         "passes/exact_backward": torch.tensor(float(exact_backwards)),
         "passes/routed_windows": torch.tensor(float(len(routed))),
         "passes/grad_all_reduce": torch.tensor(float(gradient_all_reduces)),
+        **advantage_part_stats(report.advantage_parts, report.advantages),
     }
+
+
+def advantage_part_stats(parts: dict[str, Tensor], advantages: Tensor) -> dict[str, Tensor]:
+    """With two or more weighted rewards, for each reward n (its part P_n of the advantage, the parts summing to
+    the advantage A before its clip): ``advantage/<n>/share`` = mean|P_n| / sum_m mean|P_m| (how much of the
+    signal it carries: near 0 = drowned), ``advantage/<n>/std`` = std(P_n) and ``advantage/<n>/corr`` =
+    corr(P_n, A) (this process's samples)."""
+    if len(parts) < 2:
+        return {}
+    sizes = {n: p.abs().mean() for n, p in parts.items()}
+    whole = torch.stack(list(sizes.values())).sum()
+    out = {}
+    for n, p in parts.items():
+        a, q = advantages.to(p) - advantages.to(p).mean(), p - p.mean()
+        corr = (a * q).sum() / ((a * a).sum().sqrt() * (q * q).sum().sqrt())  # NaN when either is constant
+        out |= {f"advantage/{n}/share": sizes[n] / whole, f"advantage/{n}/std": p.std(), f"advantage/{n}/corr": corr}
+    return out
 
 
 class FirstUpdateRatioCheck:

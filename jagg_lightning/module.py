@@ -215,8 +215,9 @@ class JAGGModule(L.LightningModule):
             taken = reference_steps(plan.windows, self.jagg)
             traj, cond, _, rewards, components = self.sampler.rollout_and_score(
                 prompts, indices, step, plan.step_kinds, sorted(taken), reward=self.reward_fn)
-            advantages = self.updater.advantages(rewards, collectives)
+            advantages, parts = self.updater.reward_advantages(rewards, components, self.reward_fn, collectives)
             report = self.updater.unfused(traj, cond, rewards, components, advantages, step, plan, taken, hooks)
+            report.advantage_parts = parts
         self._record_step(report, collectives)
         self.rollouts_done += 1
         return report.rewards.mean()

@@ -8,7 +8,7 @@ may replace at any time). It never calls back into the module. Plain torch, no L
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 
 import torch
@@ -33,6 +33,7 @@ class Sampler:
         self.sde_dtype = sde_dtype_of(policy.config.dtype)
         self.reference_forwards = 0  # adapter-off forwards (of a micro-batch) since the caller last reset it
         self._pool: ThreadPoolExecutor | None = None
+        self._in_flight: list[Future] = []  # unfinished reward-pool jobs (bounded: score_later)
         self._schedules: dict[tuple, Tensor] = {}
         self._activation_bytes: dict[float, int] = {}  # per guidance scale: see activation_bytes()
 
@@ -99,8 +100,9 @@ class Sampler:
     @torch.no_grad()
     def rollout_and_score(self, prompts: list[str], prompt_indices: list[int], step: int,
                           step_kinds: list[str] | None = None, reference_steps: list[int] = (), *, reward: Reward):
-        """The rollout with every micro-batch decoded as soon as it is sampled and scored -- in a thread
-        pool when ``reward_workers`` > 0, so scoring overlaps the next micro-batch's sampling.
+        """The rollout with every micro-batch decoded and scored as soon as it is sampled -- in the reward
+        pool when ``reward_workers`` > 0 (:meth:`score_later`), so decoding and scoring overlap the next
+        micro-batch's sampling.
 
         Returns (trajectory, condition, per-sample prompts, rewards [N], {component: scores [N]}).
         """
@@ -108,19 +110,35 @@ class Sampler:
         pending: list[Future] = []
 
         def score_micro_batch(part: slice, final: Tensor, _traj: Trajectory) -> None:
-            images = self.policy.decode(final)
-            if self.reward_workers:
-                pending.append(self._reward_pool().submit(self.score, reward, images, sample_prompts[part]))
-            else:
-                done: Future = Future()
-                done.set_result(self.score(reward, images, sample_prompts[part]))
-                pending.append(done)
+            pending.append(self.score_later(reward, final, sample_prompts[part]))
 
         traj, cond = self.rollout(prompts, prompt_indices, step, score_micro_batch, step_kinds, reference_steps)
         results = [f.result() for f in pending]
         rewards = torch.cat([total for total, _ in results])
         components = {name: torch.cat([c[name] for _, c in results]) for name in results[0][1]}
         return traj, cond, sample_prompts, rewards, components
+
+    def score_later(self, reward: Reward, final: Tensor, prompts: list[str]) -> Future:
+        """Decode final latents and score them: a job of the reward pool when ``reward_workers`` > 0 (the
+        caller keeps sampling), else at once; the future's result is :meth:`score`'s (total, components).
+
+        The pool is bounded: with 2 x ``reward_workers`` jobs unfinished, this waits for one to finish
+        before queueing another, so decoded images never pile up behind a slow (or remote) reward."""
+        if not self.reward_workers:
+            done: Future = Future()
+            done.set_result(self.decode_and_score(reward, final, prompts))
+            return done
+        self._in_flight = [f for f in self._in_flight if not f.done()]
+        if len(self._in_flight) >= 2 * self.reward_workers:
+            wait(self._in_flight, return_when=FIRST_COMPLETED)
+        job = self._reward_pool().submit(self.decode_and_score, reward, final, prompts)
+        self._in_flight.append(job)
+        return job
+
+    def decode_and_score(self, reward: Reward, final: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
+        """Images from the final latents, then :meth:`score`; no grad (grad mode is per thread)."""
+        with torch.no_grad():
+            return self.score(reward, self.policy.decode(final), prompts)
 
     def score(self, reward: Reward, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
         """The reward's total and components; a failure is re-raised naming the reward."""
@@ -141,7 +159,7 @@ class Sampler:
         """Shut the reward workers down (a later rollout starts new ones)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-            self._pool = None
+            self._pool, self._in_flight = None, []
 
     # ------------------------------------------------------------------ KL reference
     @torch.no_grad()

@@ -21,13 +21,13 @@ from torch import Tensor
 
 from jagg_lightning.batching import batch_slice
 from jagg_lightning.collectives import Collectives
-from jagg_lightning.grpo import StepRecord, group_advantages, step_loss
+from jagg_lightning.grpo import StepRecord, combined_advantages, group_advantages, step_loss
 from jagg_lightning.jagg import (
     Window, WindowGradientCheck, WindowRecord, accumulate_gradients, alphas, check_window_gradients, route_windows,
     routing_score,
 )
 from jagg_lightning.passes import fused_graph_steps, fused_samples, pass_plan, reference_steps
-from jagg_lightning.rewards import Reward
+from jagg_lightning.rewards import Reward, component_weights
 from jagg_lightning.rollout import RolloutBatch, RolloutPlan, Trajectory, sample_seed
 from jagg_lightning.sampler import Sampler
 
@@ -56,6 +56,7 @@ class StepReport:
     first_update_stats: list  # (k, StepLossStats) of the first update after the rollout (theta = theta_old)
     micro_batches: int  # training micro-batches over all updates (exact GRPO's backward count per step)
     skipped_samples: int = 0  # zero-advantage samples given no pass
+    advantage_parts: dict[str, Tensor] = field(default_factory=dict)  # each weighted reward's part [N] of the advantages
 
 
 class Updater:
@@ -67,6 +68,26 @@ class Updater:
         all_reduce = (collectives or Collectives()).sum
         return group_advantages(rewards.view(-1, self.sampling.group_size), self.grpo.adv_std, self.grpo.adv_eps,
                                 self.grpo.adv_clip, self.grpo.std_ddof, all_reduce=all_reduce).flatten()
+
+    def reward_advantages(self, rewards: Tensor, components: dict[str, Tensor], reward: Reward,
+                          collectives: Collectives | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """Advantages [N] of a scored rollout and each weighted reward's part of them (``grpo.multi_reward``;
+        :func:`~jagg_lightning.grpo.combined_advantages`); monitors (``MonitoredReward``) have no weight, so
+        never enter. "weighted_sum" gives exactly :meth:`advantages` of the total."""
+        weights = component_weights(reward)
+        if weights is None and len(components) == 1:
+            weights = dict.fromkeys(components, 1.0)
+        if self.grpo.multi_reward == "per_reward" and (weights is None or not set(weights) <= set(components)):
+            raise ValueError(f"grpo.multi_reward 'per_reward' needs the weight of every reward, but reward "
+                             f"{reward.name} ({type(reward).__name__}) reports components {sorted(components)} "
+                             "without them (a served WeightedReward): put one RemoteReward per served reward in a "
+                             "local WeightedReward, or use 'weighted_sum'")
+        if weights is not None and not set(weights) <= set(components):
+            weights = None  # the reward reports other components than it weights: no parts to show
+        g = self.grpo
+        all_reduce = (collectives or Collectives()).sum
+        return combined_advantages(rewards, components, weights, self.sampling.group_size, g.multi_reward, g.adv_std,
+                                   g.adv_eps, g.adv_clip, g.std_ddof, all_reduce)
 
     def route(self, traj: Trajectory, windows: list[Window], collectives: Collectives | None = None) -> list[Window]:
         """Score every window from the recorded velocities (``jagg.routing``; mean over all samples of all
@@ -215,50 +236,63 @@ class Updater:
         windows on its own recorded velocities (mean over the processes), fold the interior g_k from
         those velocities into the anchors and run ONE backward over the kept graphs (scaled by
         n / (N * trained steps), as the unfused update); samples beyond ``fused_samples`` go through the
-        unfused engine (interiors from the cache), then the graphs are freed.
+        unfused engine (interiors from the cache), then the graphs are freed. With ``reward_workers`` > 0 a
+        micro-batch is decoded and scored in the reward pool while the next one samples and its update runs
+        once that one is sampled (the same backward calls in the same order; the graphs of two micro-batches
+        are held meanwhile).
         """
         K = self.sampling.group_size
         sample_prompts = [p for p in prompts for _ in range(K)]
         num = len(sample_prompts)
         graphs: dict[int, Tensor] = {}
-        rewards, components, advantages = [], [], []
+        rewards, components, advantages, parts = [], [], [], []
         records: list[WindowRecord] = []
         stats: list = []
         skipped = 0
         cond = self.sampler.encode(prompts)
         graph_steps = fused_graph_steps(plan.windows, self.jagg)
         graph_samples = fused_samples(len(graph_steps), self.jagg, self.sampler.activation_bytes)
+        waiting: list[tuple] = []  # (samples, trajectory, scoring job, kept graphs) not updated yet
 
-        def update_micro_batch(part: slice, final: Tensor, traj: Trajectory) -> None:
+        def update_micro_batch(part: slice, traj: Trajectory, scored, kept_graphs: dict[int, Tensor]) -> None:
             nonlocal skipped
-            total, comps = self.sampler.score(reward, self.policy.decode(final), sample_prompts[part])
-            adv = self.advantages(total, hooks.collectives)  # group std (check_fused): this micro-batch's groups alone
-            rewards.append(total), components.append(comps), advantages.append(adv)
+            total, comps = scored.result()
+            # group std (check_fused): this micro-batch's groups alone
+            adv, adv_parts = self.reward_advantages(total, comps, reward, hooks.collectives)
+            rewards.append(total), components.append(comps), advantages.append(adv), parts.append(adv_parts)
             mb, mb_cond = traj.select(part), batch_slice(cond, part)  # views: a completed reference is the trajectory's
             windows = self.route(mb, plan.windows, hooks.collectives)
             self.complete_reference(mb, mb_cond, windows, taken)
             n = adv.shape[0]
             kept = n if graph_samples is None else min(graph_samples, n)
             if self.grpo.skip_zero_advantage and self.grpo.kl_beta == 0 and not bool(adv.any()):
-                graphs.clear()  # all groups tied: a zero gradient, no backward (its forwards were the rollout's)
-                skipped += n
+                skipped += n  # all groups tied: a zero gradient, no backward (its forwards were the rollout's)
                 return
             with hooks.collectives.local_backward():
                 rows = slice(0, kept)
                 records.extend(self.engine_pass(mb.select(rows), adv[rows], batch_slice(mb_cond, rows), num, plan,
-                                                windows, True, stats, self.jagg.low_memory, hooks.backward, graphs))
+                                                windows, True, stats, self.jagg.low_memory, hooks.backward,
+                                                kept_graphs))
                 if kept < n:  # the samples without kept graphs: the unfused engine, interiors from the cache
                     rows = slice(kept, n)
                     records.extend(self.backward_samples(mb.select(rows), adv[rows], batch_slice(mb_cond, rows), num,
                                                          plan, windows, True, stats, hooks.backward))
+
+        def micro_batch_sampled(part: slice, final: Tensor, traj: Trajectory) -> None:
+            waiting.append((part, traj, self.sampler.score_later(reward, final, sample_prompts[part]), dict(graphs)))
             graphs.clear()
+            while len(waiting) > (1 if self.sampler.reward_workers else 0):
+                update_micro_batch(*waiting.pop(0))
 
         taken = reference_steps(plan.windows, self.jagg)
-        traj, cond = self.sampler.rollout(prompts, indices, step, update_micro_batch, plan.step_kinds, sorted(taken),
+        traj, cond = self.sampler.rollout(prompts, indices, step, micro_batch_sampled, plan.step_kinds, sorted(taken),
                                           cond=cond, grad_steps=graph_steps, grad_samples=graph_samples,
                                           on_graph=graphs.__setitem__)
+        while waiting:
+            update_micro_batch(*waiting.pop(0))
         hooks.optimizer_step()
         components = {name: torch.cat([c[name] for c in components]) for name in components[0]}
+        parts = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
         # the fused update's stats are all of its one (first) update
         return StepReport(traj, cond, torch.cat(rewards), components, torch.cat(advantages), records, [], stats,
-                          -(-num // self.sampling.rollout_batch_size), skipped)
+                          -(-num // self.sampling.rollout_batch_size), skipped, parts)

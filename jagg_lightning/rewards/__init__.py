@@ -14,10 +14,11 @@ from jagg_lightning.rewards.clipscore import CLIPScoreReward
 from jagg_lightning.rewards.digits import DigitReward
 from jagg_lightning.rewards.hpsv2 import HPSv2Reward
 from jagg_lightning.rewards.jpeg import JpegCompressibility, JpegIncompressibility
+from jagg_lightning.rewards.monitor import MONITOR_PREFIX, MonitoredReward
 from jagg_lightning.rewards.ocr import OcrReward
 from jagg_lightning.rewards.pickscore import PickScoreReward
 from jagg_lightning.rewards.remote import RemoteReward
-from jagg_lightning.rewards.weighted import WeightedReward
+from jagg_lightning.rewards.weighted import WeightedReward, component_weights
 
 REWARDS: dict[str, type[Reward]] = {
     cls.name: cls for cls in (JpegCompressibility, JpegIncompressibility, DigitReward, OcrReward)}
@@ -74,5 +75,6 @@ def _rebuild_arg(value):
 
 
 __all__ = ["REWARDS", "AestheticReward", "CLIPScoreReward", "DigitReward", "HPSv2Reward", "JpegCompressibility",
-           "JpegIncompressibility", "OcrReward", "PickScoreReward", "RemoteReward", "Reward", "WeightedReward",
-           "build_reward", "check_images", "describe_reward", "to_pil"]
+           "JpegIncompressibility", "MONITOR_PREFIX", "MonitoredReward", "OcrReward", "PickScoreReward", "RemoteReward",
+           "Reward", "WeightedReward",
+           "build_reward", "check_images", "component_weights", "describe_reward", "to_pil"]

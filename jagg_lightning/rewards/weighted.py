@@ -34,3 +34,18 @@ class WeightedReward(Reward):
 
     def score(self, images: Tensor, prompts: list[str]) -> Tensor:
         return self.score_with_components(images, prompts)[0]
+
+
+def component_weights(reward: Reward) -> dict[str, float] | None:
+    """The weight of each component that makes up ``reward``'s total: a WeightedReward's own weights, a
+    monitored reward's trained reward's (monitors have none), any other reward is its one component with
+    weight 1; None where the reward's components are unknown before it scores (a reward whose own
+    ``score_with_components`` reports them, e.g. a served WeightedReward)."""
+    inner = getattr(reward, "trained_reward", None)
+    if inner is not None:
+        return component_weights(inner)
+    if isinstance(reward, WeightedReward):
+        return dict(reward.weights)
+    if type(reward).score_with_components is not Reward.score_with_components:
+        return None
+    return {reward.name: 1.0}
