@@ -75,5 +75,7 @@ def reference_applied(policy):
         yield
     finally:
         policy._modules["transformer"] = trained
-        if reference.offload and not reference.sharded:
+        if reference.sharded:  # FSDP2 keeps a root's parameters gathered after forward, for a backward that
+            reference.transformer.reshard()  # a reference never makes: free them
+        elif reference.offload:
             reference.transformer.to("cpu")
