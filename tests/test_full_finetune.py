@@ -210,3 +210,55 @@ def test_bad_full_ft_config_fails_before_any_model():
         PolicyConfig(trainable="full", trainable_modules="attn")
     with pytest.raises(ValueError, match=r"policy.trainable_modules: 'no_such_block' matches no module"):
         SD3Policy(full_config(trainable_modules=["attn", "no_such_block"]))
+
+
+def family_cases():
+    """tests/families.py's twins (SD3.5's shape aside) and Qwen-Image's, which has its own test file."""
+    from types import SimpleNamespace
+
+    from jagg_lightning.policies.qwen_image import build_tiny_qwen_image_pipeline
+
+    from families import CASES
+
+    qwen = SimpleNamespace(name="qwen_image", overrides={"family": "qwen_image", "max_sequence_length": 16},
+                           build=build_tiny_qwen_image_pipeline, guidance=(1.0, 4.0))
+    return [c for c in CASES if c.name != "sd35"] + [qwen]
+
+
+@pytest.mark.parametrize("case", family_cases(), ids=lambda c: c.name)
+def test_every_family_trains_in_full_and_exports(case, tmp_path, rng_seed):
+    """Each family's twin with ``trainable: full`` in bf16: float32 masters get a finite gradient on every weight
+    (guidance on), the bf16 reference copy runs through the family's velocity, and the export loads back with
+    the family's transformer class to the same velocity (float32 export of the masters)."""
+    from jagg_lightning.policies import build_policy
+
+    seed = rng_seed % 1000
+    overrides = {k: v for k, v in case.overrides.items() if not k.startswith("lora")}
+    config = PolicyConfig(**({"max_sequence_length": 4} | overrides | {"trainable": "full", "dtype": "bfloat16",
+                                                                       "guidance_scale": case.guidance[1], "seed": seed}))
+    policy = build_policy(config, case.build(seed, torch.bfloat16))
+    attach_reference(policy, kl_beta=0.1)
+    cond = policy.encode_prompts(["a cat", "a dog"])
+    z = torch.randn(2, *policy.latent_shape, generator=torch.Generator().manual_seed(rng_seed))
+    t = torch.tensor([0.8, 0.4])
+    v = policy.velocity(z, t, cond)
+    v.float().square().mean().backward()
+    params = policy.lora_parameters()
+    assert params and all(p.dtype == torch.float32 for p in params)
+    assert all(torch.isfinite(p.grad).all() for p in params if p.grad is not None)
+    assert sum(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in params) > 0.8 * len(params)
+    with torch.no_grad(), policy.adapter_disabled():
+        ref = policy.velocity(z, t, cond)
+    assert {p.dtype for p in policy.frozen_reference.parameters()} == {torch.bfloat16} and torch.isfinite(ref).all()
+    assert not torch.equal(ref.float(), v.detach().float())  # another dtype: another velocity
+    export = save_transformer(policy, tmp_path / "export", dtype=torch.float32)
+    loaded = type(policy.transformer).from_pretrained(export)
+    assert loaded.dtype == torch.float32
+    # a plain loaded transformer has no up-cast hook: give both float32 conditions (what the hook makes of bf16)
+    cond = tuple(c.float() if c.is_floating_point() else c for c in cond)
+    policy.transformer, trained = loaded, policy.transformer
+    with torch.no_grad():
+        got = policy.velocity(z, t, cond)
+        policy.transformer = trained
+        want = policy.velocity(z, t, cond)
+    assert torch.equal(got, want)
