@@ -61,7 +61,8 @@ def shard_transformer(transformer: nn.Module, mesh, **options) -> None:
 
 
 class FSDP2Strategy(ModelParallelStrategy):
-    """Lightning's ModelParallelStrategy for FSDP2 over every process, with LoRA-only checkpoints."""
+    """Lightning's ModelParallelStrategy for FSDP2 over every process, with checkpoints of the trainable weights only
+    (one file; or, with ``save_distributed_checkpoint``, a folder of shards)."""
 
     def __init__(
         self,
@@ -97,11 +98,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         return state
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        if Path(self.broadcast(checkpoint_path)).is_dir():  # a distributed checkpoint (folder of shards)
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_dir():  # a distributed checkpoint (folder of shards)
             from jagg_lightning.sharded_checkpoint import load_sharded
 
-            return load_sharded(self.lightning_module, self.optimizers, Path(self.broadcast(checkpoint_path)),
-                                weights_only)
+            return load_sharded(self.lightning_module, self.optimizers, path, weights_only)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if "state_dict" not in checkpoint:  # the parent loaded the weights into the shards and dropped them
             path = Path(self.broadcast(checkpoint_path))

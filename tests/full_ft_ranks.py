@@ -90,19 +90,22 @@ def main(mode, out, seed):
 
 
 def mixed_precision(seed, out):
-    """fp32 master shards, bf16 compute (FSDP2 MixedPrecisionPolicy), fp32 AdamW state; the reference bf16."""
+    """fp32 master shards, bf16 compute (FSDP2 MixedPrecisionPolicy), fp32 AdamW state; the reference bf16; with
+    FSDP2's CPU offload of the policy and of the reference (on CPU ranks it only checks that they compose)."""
     module = build(seed, dtype="bfloat16", kl_beta=0.1)
+    module.policy_config.reference_offload = True
     module.configure_model()
     seen = []
     linear = module.policy.transformer.transformer_blocks[0].attn.to_q
     linear.register_forward_hook(lambda m, args, output: seen.append((m.weight.dtype, args[0].dtype, output.dtype)))
-    trainer = fit(module, fsdp(), 1, callbacks=[Snapshot(f"{out}/bf16")])
+    trainer = fit(module, fsdp(cpu_offload=True), 1, callbacks=[Snapshot(f"{out}/bf16")])
     params = module.policy.lora_parameters()
     assert params and all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in params)
     assert seen and set(seen) == {(torch.bfloat16,) * 3}, set(seen)  # every forward (rollout, grad, reference)
     state = [t for s in trainer.optimizers[0].state.values() for t in s.values() if t.ndim]
     assert state and all(t.dtype == torch.float32 for t in state)
     assert {p.dtype for p in module.policy.frozen_reference.parameters()} == {torch.bfloat16}
+    assert float(trainer.callback_metrics["train/passes/reference_forward"]) > 0
     after = whole(module)
     if trainer.is_global_zero:
         save_file(after, f"{out}/bf16_end.safetensors")
