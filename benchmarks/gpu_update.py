@@ -13,6 +13,7 @@ update are printed, with the backward / forward passes the engine counted.
     python benchmarks/gpu_update.py --tiny            # on a CPU: the same code on the tiny test model
     python benchmarks/gpu_update.py --gradient-checkpointing --repeats 5
     python benchmarks/gpu_update.py --cfg 4.5         # classifier-free guidance: two forwards' batch per velocity
+    python benchmarks/gpu_update.py --full            # every weight trained (fp32 masters, bf16 autocast)
 
 A configuration that runs out of GPU memory prints "OOM" in its row and the table goes on (at 1024 px
 the batched JAGG anchors of 8 samples can exceed one GPU: try --low-memory, --gradient-checkpointing
@@ -50,13 +51,18 @@ TINY_SETTINGS = [("32px 10 steps", 16, 10), ("32px 16 steps", 16, 16)]
 TOKENS = 333  # 77 CLIP + 256 T5 tokens, as the SD3 pipeline concatenates them
 
 
-def build_transformer(config: dict, dtype: torch.dtype, device: torch.device, rank: int, checkpointing: bool):
+def build_transformer(config: dict, dtype: torch.dtype, device: torch.device, rank: int, checkpointing: bool,
+                      full: bool = False):
     from diffusers import SD3Transformer2DModel
     from peft import LoraConfig
 
     torch.manual_seed(0)
     with torch.device(device):
-        transformer = SD3Transformer2DModel(**config).to(dtype)
+        transformer = SD3Transformer2DModel(**config).to(torch.float32 if full else dtype)
+    if full:  # every weight trained: float32 masters, the forward under bf16 autocast (velocity below)
+        if checkpointing:
+            transformer.enable_gradient_checkpointing()
+        return transformer.requires_grad_(True)
     transformer.requires_grad_(False)
     transformer.add_adapter(LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian",
                                        target_modules=LORA_TARGETS))
@@ -79,6 +85,8 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--low-memory", action="store_true", help="JAGG anchors as two passes")
+    parser.add_argument("--full", action="store_true", help="every weight trainable (float32 masters, bf16 "
+                        "autocast on a GPU) instead of the LoRA: policy.trainable full")
     parser.add_argument("--cfg", type=float, default=1.0, help="CFG scale (> 1: conditional and unconditional "
                         "rows in one forward, as SD3's pipeline and the sd35_medium preset)")
     args = parser.parse_args()
@@ -89,10 +97,10 @@ def main() -> None:
     if not cuda:
         torch.set_num_threads(1)  # CPU: one thread, so wall and CPU time compare
     config = SD35_MEDIUM if not args.tiny else TINY
-    transformer = build_transformer(config, dtype, device, args.lora_rank, args.gradient_checkpointing)
+    transformer = build_transformer(config, dtype, device, args.lora_rank, args.gradient_checkpointing, args.full)
     params = [p for p in transformer.parameters() if p.requires_grad]
     total = sum(p.numel() for p in transformer.parameters())
-    print(f"transformer {total / 1e6:.1f} M parameters ({sum(p.numel() for p in params) / 1e6:.2f} M LoRA), "
+    print(f"transformer {total / 1e6:.1f} M parameters ({sum(p.numel() for p in params) / 1e6:.2f} M {'trained in full' if args.full else 'LoRA'}), "
           f"{dtype}, {device}{' ' + torch.cuda.get_device_name() if cuda else ''}, torch {torch.__version__}, "
           f"gradient checkpointing {args.gradient_checkpointing}, low memory {args.low_memory}, "
           f"{args.samples} samples per update, W = {args.window}, CFG {args.cfg}, median of {args.repeats}")
@@ -105,6 +113,10 @@ def main() -> None:
     negative = tuple(torch.randn(1, *c.shape[1:], generator=gen).to(device, dtype) for c in cond)  # one "" prompt
 
     def velocity(z, t, c):
+        with torch.autocast("cuda", torch.bfloat16, enabled=cuda and args.full):
+            return guided_velocity(z, t, c)
+
+    def guided_velocity(z, t, c):
         if args.cfg <= 1.0:
             return transformer(hidden_states=z.to(dtype), timestep=t.float() * 1000, encoder_hidden_states=c[0],
                                pooled_projections=c[1], return_dict=False)[0]

@@ -103,8 +103,8 @@ def child(args) -> None:
 
     torch.set_num_threads(1)
     module = JAGGModule(
-        PolicyConfig(pretrained=args.pretrained, lora_rank=8, lora_alpha=16, guidance_scale=args.guidance,
-                     max_sequence_length=4),
+        PolicyConfig(pretrained=args.pretrained, guidance_scale=args.guidance, max_sequence_length=4,
+                     **({"trainable": "full"} if args.full else {"lora_rank": 8, "lora_alpha": 16})),
         SamplingConfig(num_steps=args.steps + 1, group_size=args.samples // 2, rollout_batch_size=args.samples),
         GRPOConfig(train_batch_size=args.samples, kl_beta=args.kl_beta, adv_std="group"),  # as measured; fused needs it
         JAGGConfig(**({"window_size": 4} | (CONFIGS | KL_CONFIGS)[args.config] | {"fused_rollout": args.fused})),
@@ -174,6 +174,8 @@ def main() -> None:
     parser.add_argument("--guidance", type=float, default=1.0)
     parser.add_argument("--kl-beta", type=float, default=0.0)
     parser.add_argument("--json", type=Path, help="write the raw results here")
+    parser.add_argument("--full", action="store_true", help="policy.trainable full (every weight) instead of LoRA")
+    parser.add_argument("--only", nargs="+", help="only these configurations (names as in the table)")
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--fused", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--pretrained", help=argparse.SUPPRESS)
@@ -187,6 +189,7 @@ def main() -> None:
             pretrained = str(Path(tmp) / "sd3-14m")
             build_14m(Path(pretrained))
         names = list(CONFIGS) + (list(KL_CONFIGS) if args.kl_beta > 0 else [])
+        names = [n for n in names if args.only is None or n in args.only]
         runs = [(name, fused) for name in names for fused in (False, True)]
         results = {run: [] for run in runs}
         for _ in range(args.repeats):
@@ -194,6 +197,7 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--config", name, "--samples", str(args.samples), "--steps",
                        str(args.steps), "--guidance", str(args.guidance), "--kl-beta", str(args.kl_beta)]
                 cmd += ["--fused"] if fused else []
+                cmd += ["--full"] if args.full else []
                 cmd += ["--pretrained", pretrained] if pretrained else []
                 out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
                 line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -47,6 +47,10 @@ def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
 def adapter_identity(policy) -> dict:
     """What a LoRA checkpoint only fits: the family, the base model and the adapter's shape (plain data)."""
     config = policy.config
+    if getattr(config, "trainable", "lora") == "full":  # no adapter: what the trained weights are
+        from jagg_lightning.export import full_identity
+
+        return full_identity(policy)
     lora = policy.transformer.peft_config["default"]  # what the adapter really is, whatever the config calls it
     pretrained = getattr(config, "pretrained", None)
     base = pretrained if pretrained is not None else f"tiny-random(seed={getattr(config, 'seed', 0)})"

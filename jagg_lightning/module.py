@@ -40,7 +40,8 @@ from jagg_lightning.policies import Policy, PolicyConfig, build_policy
 from jagg_lightning.rewards import Reward, build_reward, describe_reward
 from jagg_lightning.rollout import RolloutBatch, RolloutPlan, plan_rollout
 from jagg_lightning.sampler import EVAL_STEP, Sampler, sde_dtype_of
-from jagg_lightning.strategies import shard_transformer
+from jagg_lightning.reference import attach_reference
+from jagg_lightning.strategies import shard_policy
 from jagg_lightning.update import StepReport, Updater, UpdateHooks
 
 # the config sections stay importable from here, as before the parts were split out
@@ -156,15 +157,16 @@ class JAGGModule(L.LightningModule):
         strategy can wrap or shard it as it is created. Idempotent: the Trainer calls it for every fit/validate/predict."""
         if "policy" not in self._modules:
             self.policy: Policy = build_policy(self.policy_config)
+            attach_reference(self.policy, self.grpo.kl_beta)  # full FT with KL: a frozen copy of the initial weights
             if self.policy_config.gradient_checkpointing:
                 self.policy.enable_gradient_checkpointing()
             self.sampler = Sampler(self.policy, self.sampling, self.grpo.kl_beta, self.reward_workers)
             self.updater = Updater(self.policy, self.sampling, self.grpo, self.jagg, self.sampler)
         mesh = self._device_mesh  # set by ModelParallelStrategy (FSDP2Strategy) before this hook
         if mesh is not None and not self._sharded:
-            # FSDP2: one unit per transformer block; the parameters become DTensor shards, so an EMA made
-            # before this point would track the old tensors (nothing has trained yet: rebuild it)
-            shard_transformer(self.policy.transformer, mesh["data_parallel"])
+            # FSDP2: one unit per transformer block (+ the reference copy); the parameters become DTensor shards,
+            # so an EMA made before this point would track the old tensors (nothing has trained yet: rebuild it)
+            shard_policy(self.policy, mesh["data_parallel"], getattr(self._trainer, "strategy", None))
             self._sharded, self.ema = True, None
         if self.ema_decay is not None and self.ema is None:
             self.ema = LoRAEMA(self._trainable_named_parameters(), self.ema_decay)

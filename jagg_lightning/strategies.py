@@ -19,6 +19,12 @@ checkpoints, none about the training math:
   a checkpoint that lacks some of them.
 
 Such a checkpoint is an ordinary Lightning checkpoint: it resumes under FSDP2 and on one process alike.
+
+For full fine-tuning (``policy.trainable: full``) ``save_distributed_checkpoint=True`` writes a folder in which
+every rank writes its own shards of the trainable weights and of the optimizer state
+(``torch.distributed.checkpoint``; :mod:`jagg_lightning.sharded_checkpoint`): it resumes bit-identically on
+the same world size and reshards on load to another. ``cpu_offload=True`` adds FSDP2's CPU offload of the
+parameters, gradients and optimizer state.
 """
 
 from __future__ import annotations
@@ -44,29 +50,31 @@ def transformer_blocks(transformer: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def shard_transformer(transformer: nn.Module, mesh) -> None:
-    """``fully_shard`` each block, then the transformer (its embeddings and output layers) on ``mesh``."""
+def shard_transformer(transformer: nn.Module, mesh, **options) -> None:
+    """``fully_shard`` each block, then the transformer (its embeddings and output layers) on ``mesh``;
+    ``options``: more ``fully_shard`` arguments (mixed precision, CPU offload)."""
     from torch.distributed.fsdp import fully_shard
 
     for block in transformer_blocks(transformer):
-        fully_shard(block, mesh=mesh)
-    fully_shard(transformer, mesh=mesh)
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(transformer, mesh=mesh, **options)
 
 
 class FSDP2Strategy(ModelParallelStrategy):
-    """Lightning's ModelParallelStrategy for FSDP2 over every process, with LoRA-only checkpoints."""
+    """Lightning's ModelParallelStrategy for FSDP2 over every process, with checkpoints of the trainable weights only
+    (one file; or, with ``save_distributed_checkpoint``, a folder of shards)."""
 
     def __init__(
         self,
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = 1,
         save_distributed_checkpoint: bool = False,
+        cpu_offload: bool = False,
         **kwargs: Any,
     ) -> None:
-        if save_distributed_checkpoint:
-            raise ValueError("FSDP2Strategy writes LoRA-only single-file checkpoints: save_distributed_checkpoint "
-                             "must be false")
-        super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint=False, **kwargs)
+        super().__init__(data_parallel_size, tensor_parallel_size,
+                         save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+        self.cpu_offload = cpu_offload  # read by JAGGModule.configure_model when it shards
 
     def setup_environment(self) -> None:
         if self._data_parallel_size == "auto":  # every process, before the parent builds the device mesh
@@ -76,7 +84,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().setup_environment()
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The trainable (LoRA) weights, full, on rank 0; every rank takes part in each gather."""
+        """The trainable (LoRA) weights, full, on rank 0; every rank takes part in each gather (a distributed
+        checkpoint: each rank's shards of them, no gather)."""
+        if self._save_distributed_checkpoint:
+            return {n: p.detach() for n, p in self.lightning_module.named_parameters() if p.requires_grad}
         state = {}
         for name, p in self.lightning_module.named_parameters():
             if not p.requires_grad:
@@ -87,8 +98,28 @@ class FSDP2Strategy(ModelParallelStrategy):
         return state
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_dir():  # a distributed checkpoint (folder of shards)
+            from jagg_lightning.sharded_checkpoint import load_sharded
+
+            return load_sharded(self.lightning_module, self.optimizers, path, weights_only)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if "state_dict" not in checkpoint:  # the parent loaded the weights into the shards and dropped them
             path = Path(self.broadcast(checkpoint_path))
             checkpoint["state_dict"] = torch.load(path, mmap=True, map_location="cpu", weights_only=True)["state_dict"]
         return checkpoint
+
+
+def shard_policy(policy, mesh, strategy=None) -> None:
+    """FSDP2 for a policy: its transformer (with ``trainable: full`` in mixed precision: float32 master shards,
+    compute in ``policy.dtype``), and the frozen reference copy of a full fine-tune sharded alike;
+    ``strategy.cpu_offload`` (:class:`FSDP2Strategy`) adds FSDP2's CPU offload."""
+    from jagg_lightning.full_finetune import fsdp_options
+    from jagg_lightning.policies import DTYPES
+
+    full = policy.config.trainable == "full"
+    shard_transformer(policy.transformer, mesh, **fsdp_options(DTYPES[policy.config.dtype],
+                                                               bool(getattr(strategy, "cpu_offload", False)), full))
+    reference = getattr(policy, "frozen_reference", None)
+    if reference is not None:
+        reference.shard(mesh, shard_transformer)

@@ -8,7 +8,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jagg_lightning"
 # the parts that are plain torch: they can be read, tested and reused without Lightning
-PLAIN = ["jagg", "sde", "grpo", "config", "rollout", "passes", "sampler", "update", "collectives", "metrics", "batching"]
+PLAIN = ["jagg", "sde", "grpo", "config", "rollout", "passes", "sampler", "update", "collectives", "metrics", "batching",
+         "full_finetune", "reference", "export", "sharded_checkpoint"]
 HIGHER = ("jagg_lightning.callbacks", "jagg_lightning.testbed", "jagg_lightning.cli")  # nothing in the core imports these
 
 

@@ -15,7 +15,9 @@ __all__ = ["LoRAExport", "export_lora", "lora_state_dict"]
 
 
 class LoRAExport(L.Callback):
-    """Export the adapter at every checkpoint save and at the end of fit (EMA weights when enabled).
+    """Export the adapter at every checkpoint save and at the end of fit (EMA weights when enabled); with
+    ``policy.trainable: full`` the whole transformer instead, as ``<dir>/<last|final>/transformer``
+    (:mod:`jagg_lightning.export`).
 
     dirpath: where to write; None = ``<trainer.default_root_dir>/lora``. Holds ``last/`` (updated at
     every checkpoint) and ``final/`` (end of fit).
@@ -29,6 +31,13 @@ class LoRAExport(L.Callback):
         return Path(self.dirpath or Path(trainer.default_root_dir) / "lora")
 
     def _export(self, trainer, pl_module, name: str) -> Path | None:
+        if pl_module.policy.config.trainable == "full":  # no adapter: the consolidated transformer (export.py)
+            from jagg_lightning.export import DTYPES, save_transformer, transformer_state_dict
+
+            with pl_module.inference_weights():
+                weights = transformer_state_dict(pl_module.policy.transformer, DTYPES[pl_module.policy.config.dtype])
+            return save_transformer(pl_module.policy, self._root(trainer) / name / "transformer", weights,
+                                    step=trainer.global_step) if trainer.is_global_zero else None
         with pl_module.inference_weights():
             weights = lora_state_dict(pl_module.policy.transformer)  # every rank: FSDP2 gathers its shards
         if not trainer.is_global_zero:

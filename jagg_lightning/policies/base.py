@@ -88,6 +88,11 @@ class PolicyConfig:
     dtype: dtype of the frozen weights; LoRA weights and SDE math stay float32 (float64 if chosen).
     gradient_checkpointing: recompute each transformer block's activations in backward (diffusers'
         non-reentrant checkpointing): less activation memory, about one extra block forward per backward.
+    trainable: "lora" (a peft LoRA on the frozen transformer) or "full" (every transformer weight trained,
+        float32 master weights; ``dtype`` is then the compute dtype, see docs/full_finetuning.md).
+    trainable_modules: with "full", module-name patterns (a name, a dotted suffix of one, or an fnmatch
+        pattern) to train only those modules in full; null = every weight. Each must match some module.
+    reference_offload: with "full" and kl_beta > 0, keep the frozen KL reference copy on the CPU between uses.
     """
 
     pretrained: str | None = None
@@ -103,6 +108,9 @@ class PolicyConfig:
     load_t5: bool = True
     seed: int = 0
     gradient_checkpointing: bool = False
+    trainable: str = "lora"
+    trainable_modules: list[str] | None = None
+    reference_offload: bool = False
 
     def __post_init__(self):
         def integer(name, value, allowed, ok):
@@ -126,6 +134,9 @@ class PolicyConfig:
                 isinstance(t, str) and t for t in self.lora_targets)):
             raise ValueError("policy.lora_targets must be a non-empty list of module names or null (the family's "
                              f"default), got {self.lora_targets!r}")
+        from jagg_lightning.full_finetune import check_trainable
+
+        check_trainable(self, PolicyConfig)
         if self.family is not None:
             from jagg_lightning.policies import check_family
 
@@ -158,6 +169,12 @@ class Policy(nn.Module):
         for module in self.frozen_modules():
             module.requires_grad_(False)
             module.eval()
+        if config.trainable == "full":  # no adapter: (a subset of) the transformer's own weights, float32 masters
+            from jagg_lightning.full_finetune import make_trainable
+
+            self.lora_targets, self.frozen_reference = [], None
+            make_trainable(self.transformer, config.trainable_modules, dtype)
+            return
         # the effective peft target_modules (the family's default when policy.lora_targets is null)
         self.lora_targets = targets = list(config.lora_targets if config.lora_targets is not None
                                            else self.default_lora_targets)
@@ -227,11 +244,21 @@ class Policy(nn.Module):
         return False
 
     def lora_parameters(self) -> list[nn.Parameter]:
+        """The trainable weights: the LoRA's (or, with ``trainable: full``, the transformer's own)."""
         return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    trainable_parameters = lora_parameters
 
     @contextmanager
     def adapter_disabled(self):
-        """The KL reference: the same transformer with the LoRA switched off."""
+        """The KL reference: the same transformer with the LoRA switched off (``trainable: full``: the frozen
+        copy of the initial transformer swapped in, :mod:`jagg_lightning.reference`)."""
+        if self.config.trainable == "full":
+            from jagg_lightning.reference import reference_applied
+
+            with reference_applied(self):
+                yield
+            return
         self.transformer.disable_adapters()
         try:
             yield
