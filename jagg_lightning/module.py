@@ -333,17 +333,9 @@ class JAGGModule(L.LightningModule):
         return self if device is None else super().to(device=device, non_blocking=non_blocking)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Checkpoints hold only the LoRA weights: the frozen weights (rebuilt from ``policy``) are not reported
-        missing (Lightning would print every one of them); missing LoRA weights are, and fail when ``strict``."""
-        from torch.nn.modules.module import _IncompatibleKeys
-
+        """Checkpoints hold only the trainable (LoRA) weights (:func:`~jagg_lightning.state.trainable_keys_only`)."""
         result = super().load_state_dict(state_dict, strict=False, assign=assign)
-        trainable = {n for n, _ in self._trainable_named_parameters()}
-        missing = [k for k in result.missing_keys if k in trainable]
-        if strict and (missing or result.unexpected_keys):
-            raise RuntimeError(f"LoRA checkpoint does not fit: missing {missing[:3]}, unexpected "
-                               f"{result.unexpected_keys[:3]}")
-        return _IncompatibleKeys(missing, list(result.unexpected_keys))
+        return state.trainable_keys_only(result, {n for n, _ in self._trainable_named_parameters()}, strict)
 
     def on_fit_start(self) -> None:
         if self.ema is not None:

@@ -124,3 +124,16 @@ def restore_rng(rng: dict | None) -> None:
         torch.set_rng_state(rng["torch"])
         random.setstate(_python_rng_state_from_list(rng["python"]))
         np.random.set_state(_numpy_rng_state_from_list(rng["numpy"]))
+
+
+def trainable_keys_only(result, trainable: set[str], strict: bool):
+    """The outcome of loading a checkpoint that holds only the trainable (LoRA) weights: the frozen weights
+    (rebuilt from ``policy``) are not reported missing (Lightning would print every one of them); missing
+    trainable weights are, and fail when ``strict``, as do unexpected keys."""
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    missing = [k for k in result.missing_keys if k in trainable]
+    if strict and (missing or result.unexpected_keys):
+        raise RuntimeError(f"LoRA checkpoint does not fit: missing {missing[:3]}, unexpected "
+                           f"{result.unexpected_keys[:3]}")
+    return _IncompatibleKeys(missing, list(result.unexpected_keys))
