@@ -88,6 +88,8 @@ class PolicyConfig:
     dtype: dtype of the frozen weights; LoRA weights and SDE math stay float32 (float64 if chosen).
     gradient_checkpointing: recompute each transformer block's activations in backward (diffusers'
         non-reentrant checkpointing): less activation memory, about one extra block forward per backward.
+    num_frames: video families only (Wan): frames per video, 4 k + 1; None = the family's default.
+    guidance_scale_2: two-expert video families only (Wan2.2): the low-noise expert's CFG; None = guidance_scale.
     """
 
     pretrained: str | None = None
@@ -103,6 +105,8 @@ class PolicyConfig:
     load_t5: bool = True
     seed: int = 0
     gradient_checkpointing: bool = False
+    num_frames: int | None = None
+    guidance_scale_2: float | None = None
 
     def __post_init__(self):
         def integer(name, value, allowed, ok):
@@ -120,6 +124,11 @@ class PolicyConfig:
         if self.resolution is not None:  # the multiple of VAE factor x patch size is checked against the model
             integer("resolution", self.resolution, "an integer >= 1 (pixels) or null", lambda v: v >= 1)
         integer("seed", self.seed, "an integer", lambda v: True)
+        if self.num_frames is not None:  # the 4 k + 1 rule is the VAE's, checked by the family
+            integer("num_frames", self.num_frames, "an integer >= 1 or null", lambda v: v >= 1)
+        if self.guidance_scale_2 is not None and (isinstance(self.guidance_scale_2, bool) or not isinstance(
+                self.guidance_scale_2, (int, float)) or self.guidance_scale_2 < 1.0):
+            raise ValueError(f"policy.guidance_scale_2 must be >= 1.0 or null, got {self.guidance_scale_2!r}")
         if not isinstance(self.gradient_checkpointing, bool):
             raise ValueError(f"policy.gradient_checkpointing must be true or false, got {self.gradient_checkpointing!r}")
         if self.lora_targets is not None and (isinstance(self.lora_targets, str) or not self.lora_targets or not all(
@@ -237,6 +246,15 @@ class Policy(nn.Module):
             yield
         finally:
             self.transformer.enable_adapters()
+
+    def expert_starts(self, times: Tensor) -> tuple[int, ...]:
+        """Sampling steps (times t_0..t_S) where another network takes over (Wan2.2's low-noise expert): no JAGG
+        window straddles one. One network: none."""
+        return ()
+
+    def extra_lora_modules(self) -> dict[str, nn.Module]:
+        """Further adapted networks an export writes beside ``transformer`` (name -> module); none by default."""
+        return {}
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute the transformer blocks' activations in backward (diffusers' own switch)."""

@@ -17,10 +17,11 @@ from jagg_lightning.rewards.jpeg import JpegCompressibility, JpegIncompressibili
 from jagg_lightning.rewards.ocr import OcrReward
 from jagg_lightning.rewards.pickscore import PickScoreReward
 from jagg_lightning.rewards.remote import RemoteReward
+from jagg_lightning.rewards.video import FrameReward, TemporalConsistency
 from jagg_lightning.rewards.weighted import WeightedReward
 
 REWARDS: dict[str, type[Reward]] = {
-    cls.name: cls for cls in (JpegCompressibility, JpegIncompressibility, DigitReward, OcrReward)}
+    cls.name: cls for cls in (JpegCompressibility, JpegIncompressibility, DigitReward, OcrReward, TemporalConsistency)}
 
 
 def build_reward(reward: str | Reward | dict) -> Reward:
@@ -73,6 +74,6 @@ def _rebuild_arg(value):
     return value
 
 
-__all__ = ["REWARDS", "AestheticReward", "CLIPScoreReward", "DigitReward", "HPSv2Reward", "JpegCompressibility",
+__all__ = ["REWARDS", "AestheticReward", "CLIPScoreReward", "DigitReward", "FrameReward", "TemporalConsistency", "HPSv2Reward", "JpegCompressibility",
            "JpegIncompressibility", "OcrReward", "PickScoreReward", "RemoteReward", "Reward", "WeightedReward",
            "build_reward", "check_images", "describe_reward", "to_pil"]
