@@ -277,3 +277,27 @@ def test_gradient_checkpointing_keeps_both_experts_gradients(rng_seed):
     assert all(expert.is_gradient_checkpointing for expert in policy.experts)
     assert rel_error(gradient(), plain) < 1e-5
 
+
+
+def test_sample_videos_and_predictions_are_gifs(twin_dirs, tmp_path, rng_seed):
+    """SampleImages writes the adapter off | on grid of a video family as an animated GIF (also to TensorBoard);
+    `jagg predict`'s writer writes one GIF per video."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from PIL import Image
+
+    from jagg_lightning.callbacks import SampleImages
+    from jagg_lightning.callbacks.predictions import PredictionImages
+
+    module = module_for("wan21", twin_dirs["wan21"], rng_seed % 10_000)
+    samples = SampleImages(prompts=PROMPTS, every_n_steps=1, num_steps=2, dirpath=str(tmp_path / "samples"))
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=TensorBoardLogger(str(tmp_path / "tb")),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[samples, PredictionImages(str(tmp_path / "pred"))])
+    trainer.fit(module, PromptDataModule(prompts=PROMPTS, batch_size=2, shuffle=False))
+    gif = Image.open(samples.written[0])
+    assert samples.written[0].suffix == ".gif" and gif.n_frames == 9 and gif.size == (64, 64)  # 2 prompts x off|on
+    assert any(p.name.startswith("events") for p in (tmp_path / "tb").rglob("*"))
+    trainer.predict(module, PromptDataModule(prompts=PROMPTS, predict_prompts=PROMPTS, batch_size=2, shuffle=False),
+                    return_predictions=False)
+    written = sorted((tmp_path / "pred").glob("*.gif"))
+    assert len(written) == 2 * module.evaluation.samples_per_prompt and Image.open(written[0]).n_frames == 9
