@@ -13,6 +13,8 @@ An export directory holds
                                       ``transformer.load_lora_adapter(dir/"diffusers", use_safetensors=True)``
                                       at scale alpha/r (without the metadata diffusers assumes alpha = r)
     adapter.json                      the adapter's identity (family, base model, rank, alpha, targets)
+    peft_<name>/ diffusers_<name>/    the same for each further adapted network of the policy
+                                      (``policy.extra_lora_modules()``: Wan2.2's ``transformer_2``)
 
 Every export is built in a temporary directory and renamed into place: a crash never leaves half an adapter.
 """
@@ -69,25 +71,37 @@ def identity_mismatch(saved: dict, current: dict) -> list[str]:
 
 
 def save_adapter(policy, target: str | Path, step: int | None = None,
-                 weights: dict[str, torch.Tensor] | None = None) -> Path:
+                 weights: dict[str, torch.Tensor] | None = None,
+                 extra_weights: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
     """Write the policy's current adapter in both formats (see the module docstring) under ``target``;
     ``step`` (the trainer's global step) is recorded in ``adapter.json``. ``weights``: the
-    :func:`lora_state_dict` to write, if already gathered (under FSDP2 every rank gathers, one writes)."""
-    transformer = policy.transformer
+    :func:`lora_state_dict` to write, if already gathered (under FSDP2 every rank gathers, one writes).
+    A policy with further adapted networks (``policy.extra_lora_modules()``, e.g. Wan2.2's ``transformer_2``)
+    gets ``peft_<name>/`` and ``diffusers_<name>/`` beside them (``extra_weights[name]`` if gathered); the
+    family's docs say how its pipeline loads them."""
+    extra = policy.extra_lora_modules() if hasattr(policy, "extra_lora_modules") else {}
+    extra_weights = extra_weights or {}
+    with atomic_directory(target) as tmp:
+        _write_lora(policy, policy.transformer, tmp, "", weights)
+        for name, module in extra.items():
+            _write_lora(policy, module, tmp, "_" + name, extra_weights.get(name))
+        identity = adapter_identity(policy) | ({} if step is None else {"global_step": int(step)})
+        (tmp / IDENTITY_FILE).write_text(json.dumps(identity, indent=2) + "\n")
+    return Path(target)
+
+
+def _write_lora(policy, transformer, tmp: Path, suffix: str, weights: dict[str, torch.Tensor] | None) -> None:
+    """One adapted network's adapter as ``peft<suffix>/`` and ``diffusers<suffix>/``."""
     config = copy.deepcopy(transformer.peft_config["default"])
     if getattr(policy.config, "pretrained", None) is not None:
         config.base_model_name_or_path = str(policy.config.pretrained)
     weights = lora_state_dict(transformer) if weights is None else weights
-    with atomic_directory(target) as tmp:
-        peft_dir = tmp / PEFT_DIR
-        config.save_pretrained(str(peft_dir))
-        save_file({PEFT_KEY_PREFIX + k: v for k, v in weights.items()}, str(peft_dir / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
-        metadata = config.to_dict()
-        metadata["target_modules"] = sorted(metadata["target_modules"])
-        policy.pipeline_class.save_lora_weights(
-            str(tmp / DIFFUSERS_DIR), transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata
-        )
-        identity = adapter_identity(policy) | ({} if step is None else {"global_step": int(step)})
-        (tmp / IDENTITY_FILE).write_text(json.dumps(identity, indent=2) + "\n")
-    return Path(target)
+    peft_dir = tmp / (PEFT_DIR + suffix)
+    config.save_pretrained(str(peft_dir))
+    save_file({PEFT_KEY_PREFIX + k: v for k, v in weights.items()}, str(peft_dir / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    metadata = config.to_dict()
+    metadata["target_modules"] = sorted(metadata["target_modules"])
+    policy.pipeline_class.save_lora_weights(
+        str(tmp / (DIFFUSERS_DIR + suffix)), transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata
+    )

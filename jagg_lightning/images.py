@@ -13,7 +13,10 @@ from jagg_lightning.io import atomic_write
 
 
 def image_grid(rows: list[list[torch.Tensor]]) -> np.ndarray:
-    """Images [3, H, W] in [0, 1], laid out row by row -> uint8 array [rows*H, cols*W, 3]."""
+    """Images [3, H, W] in [0, 1], laid out row by row -> uint8 array [rows*H, cols*W, 3]; videos
+    [F, 3, H, W] -> a grid per frame, uint8 [F, rows*H, cols*W, 3]."""
+    if rows[0][0].ndim == 4:
+        return np.stack([image_grid([[v[f] for v in row] for row in rows]) for f in range(rows[0][0].shape[0])])
     return np.concatenate(
         [np.concatenate([(img.permute(1, 2, 0).float().cpu().numpy() * 255).round() for img in row], axis=1)
          for row in rows],
@@ -46,11 +49,48 @@ def log_image(trainer, key: str, image: np.ndarray, step: int) -> list[str]:
     return took
 
 
-def write_image(trainer, path: Path, key: str, image: np.ndarray) -> Path:
-    """Write ``image`` (uint8 [H, W, 3]) to ``path`` as PNG (crash-safe) and send it to the loggers as ``key``.
-    Call on rank zero only."""
+def gif_bytes(frames: np.ndarray, fps: float = 8.0) -> bytes:
+    """uint8 frames [F, H, W, 3] -> an animated GIF (Pillow; loops forever)."""
+    import io
+
     from PIL import Image
 
+    images = [Image.fromarray(f) for f in frames]
+    buffer = io.BytesIO()
+    images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0)
+    return buffer.getvalue()
+
+
+def log_video(trainer, key: str, frames: np.ndarray, step: int, fps: float = 8.0) -> list[str]:
+    """Send a video (uint8 [F, H, W, 3]) to the loggers that take one: TensorBoard as an animated GIF image
+    summary (what ``add_video`` writes, without its moviepy dependency) and any logger with a
+    ``log_video(key, videos, step, fps=, format=)`` method (W&B). Returns the class names of those that took it."""
+    took = []
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            image = Summary.Image(height=frames.shape[1], width=frames.shape[2], colorspace=3,
+                                  encoded_image_string=gif_bytes(frames, fps))
+            logger.experiment._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=key, image=image)]), step)
+        elif callable(getattr(logger, "log_video", None)):
+            logger.log_video(key=key, videos=[frames.transpose(0, 3, 1, 2)], step=step, fps=[fps], format=["gif"])
+        else:
+            continue
+        took.append(type(logger).__name__)
+    return took
+
+
+def write_image(trainer, path: Path, key: str, image: np.ndarray) -> Path:
+    """Write ``image`` (uint8 [H, W, 3]) to ``path`` as PNG (crash-safe) and send it to the loggers as ``key``;
+    a video (uint8 [F, H, W, 3]) goes to ``path`` with ``.gif`` as an animated GIF. Call on rank zero only."""
+    from PIL import Image
+
+    if image.ndim == 4:  # a video [F, H, W, 3]: an animated GIF beside where the PNG would be
+        path = path.with_suffix(".gif")
+        atomic_write(path, lambda tmp: Path(tmp).write_bytes(gif_bytes(image)))
+        log_video(trainer, key, image, trainer.global_step)
+        return path
     atomic_write(path, lambda tmp: Image.fromarray(image).save(tmp, format="PNG"))
     log_image(trainer, key, image, trainer.global_step)
     return path

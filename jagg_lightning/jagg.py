@@ -43,6 +43,7 @@ class Window:
     steps: tuple[int, ...]
     score: float = 0.0  # routing score (residual or 1 - cosine): lower is more linear
     routed: bool = False  # True: JAGG (anchor backward only); False: exact per-step backward
+    segment: int = 0  # which network's run of steps it lies in (Wan2.2's experts: 0 high noise, 1 low); routed apart
 
     @property
     def anchors(self) -> tuple[int, int]:
@@ -65,15 +66,32 @@ class WindowRecord:
     backwards: int = 0
     cached_steps: int = 0  # interior steps whose velocity came from the rollout cache
     fused_steps: int = 0  # pass steps whose forward with grad was the rollout's own (fused mode): no extra forward
+    segment: int = 0  # the window's network (Wan2.2's expert), as Window.segment
 
 
-def plan_windows(steps: Sequence[int], window_size: int, chained: bool = False) -> list[Window]:
+def plan_windows(steps: Sequence[int], window_size: int, chained: bool = False,
+                 breaks: Sequence[int] = ()) -> list[Window]:
     """Cut consecutive trained ``steps`` into windows of ``window_size`` steps.
 
     Disjoint windows tile the steps; chained windows overlap by one step (b of one window is a of the
     next). What is left at the end is a shorter tail window, always run exact by :func:`route_windows`.
+    ``breaks``: steps where another network takes over (Wan2.2's low-noise expert); the steps are cut there
+    first and each run is tiled on its own, so no window straddles a break (its tail stays exact, and
+    chained windows share no anchor across it); ``Window.segment`` counts the breaks before the window.
     """
     steps = list(steps)
+    cuts = sorted({int(b) for b in breaks if steps and steps[0] < int(b) <= steps[-1]})
+    if cuts:
+        plan_windows(steps, window_size)  # the same checks as without breaks
+        windows = []
+        for seg, (lo, hi) in enumerate(zip([steps[0]] + cuts, cuts + [steps[-1] + 1])):
+            run = [k for k in steps if lo <= k < hi]
+            # a run shorter than W is one short window, run exact like any tail
+            part = plan_windows(run, window_size, chained) if len(run) >= window_size else [Window(tuple(run))]
+            for w in part:
+                w.segment = seg
+            windows += part
+        return windows
     if window_size < 2:
         raise ValueError(f"window_size must be >= 2, got {window_size}")
     if window_size > len(steps):
@@ -161,8 +179,15 @@ def route_windows(
     """Route the ``jagg_frac`` share of full-size windows with the smallest score to JAGG.
 
     Short tail windows stay exact; a window whose score exceeds ``score_limit`` stays exact.
-    jagg_frac = 0 routes nothing (exact GRPO); 1 routes every eligible window.
+    jagg_frac = 0 routes nothing (exact GRPO); 1 routes every eligible window. Windows of different
+    ``segment`` (different networks: their residuals are not comparable) are ranked apart, each segment
+    routing its own ``jagg_frac`` share.
     """
+    if len({w.segment for w in windows}) > 1:
+        for seg in sorted({w.segment for w in windows}):
+            part = [(w, s) for w, s in zip(windows, scores, strict=True) if w.segment == seg]
+            route_windows([w for w, _ in part], [s for _, s in part], jagg_frac, window_size, score_limit)
+        return windows
     if not 0.0 <= jagg_frac <= 1.0:
         raise ValueError(f"jagg_frac must be in [0, 1], got {jagg_frac}")
     for w, s in zip(windows, scores, strict=True):
@@ -255,7 +280,7 @@ def accumulate_gradients(
     Returns one :class:`WindowRecord` per window with the passes it actually made.
     """
     engine = _Engine(velocity_fn, latents, times, cond, step_loss, backward or Tensor.backward)
-    records = [WindowRecord(w.steps, w.score, w.routed) for w in windows]
+    records = [WindowRecord(w.steps, w.score, w.routed, segment=w.segment) for w in windows]
 
     # 1. Interior steps of routed windows: g_k from the cache or a no-grad forward, folded into G_a/G_b.
     for w, rec in zip(windows, records):

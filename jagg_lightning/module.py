@@ -206,7 +206,8 @@ class JAGGModule(L.LightningModule):
     def _training_step(self, batch: dict, batch_idx: int) -> Tensor:
         prompts, indices = unpack_prompt_batch(batch)
         step = self.global_step
-        self.plan = plan = plan_rollout(self.sampling, self.jagg, step, self.rollouts_done)
+        self.plan = plan = plan_rollout(self.sampling, self.jagg, step, self.rollouts_done,
+                                        self.policy.expert_starts(self.sampler.times))
         self.windows = plan.windows
         collectives = Collectives(self._trainer)
         hooks = UpdateHooks(self.manual_backward, functools.partial(self.step_optimizer, collectives), collectives)

@@ -120,11 +120,13 @@ class RolloutPlan:
         return sorted({k for w in self.windows for k in w.steps})
 
 
-def plan_rollout(sampling: SamplingConfig, jagg: JAGGConfig, step: int, rollout: int | None = None) -> RolloutPlan:
+def plan_rollout(sampling: SamplingConfig, jagg: JAGGConfig, step: int, rollout: int | None = None,
+                 breaks: Sequence[int] = ()) -> RolloutPlan:
     """Step kinds, SDE window and trained JAGG windows of the rollout at ``step`` (seeded, rank-free);
-    ``rollout``: how many rollouts came before (the progressive SDE window counts them; default step)."""
+    ``rollout``: how many rollouts came before (the progressive SDE window counts them; default step);
+    ``breaks``: steps where the policy switches networks (``Policy.expert_starts``), never straddled."""
     kinds, stochastic = step_kinds_at(sampling, step, rollout)
-    windows = plan_windows(stochastic, jagg.window_size, jagg.chained)
+    windows = plan_windows(stochastic, jagg.window_size, jagg.chained, breaks)
     chosen = choose_windows(len(windows), sampling.window_fraction, sampling.seed, step)
     return RolloutPlan(kinds, stochastic, [windows[i] for i in chosen])
 

@@ -40,9 +40,11 @@ class LoRAExport(L.Callback):
                                     step=trainer.global_step) if trainer.is_global_zero else None
         with pl_module.inference_weights():
             weights = lora_state_dict(pl_module.policy.transformer)  # every rank: FSDP2 gathers its shards
+            extra = {n: lora_state_dict(m) for n, m in pl_module.policy.extra_lora_modules().items()}  # Wan2.2
         if not trainer.is_global_zero:
             return None
-        return export_lora(pl_module.policy, self._root(trainer) / name, step=trainer.global_step, weights=weights)
+        return export_lora(pl_module.policy, self._root(trainer) / name, step=trainer.global_step, weights=weights,
+                           extra_weights=extra)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         self._export(trainer, pl_module, "last")

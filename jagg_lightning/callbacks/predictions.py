@@ -1,4 +1,5 @@
-"""``jagg predict`` writes what it draws: one PNG per image, named by prompt index and sample."""
+"""``jagg predict`` writes what it draws: one PNG per image (an animated GIF per video), named by prompt index
+and sample."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 from PIL import Image
 
+from jagg_lightning.images import gif_bytes
 from jagg_lightning.io import atomic_write
 
 
@@ -28,8 +30,13 @@ class PredictionImages(BasePredictionWriter):
         for image, prompt, index, sample in zip(prediction["images"], prediction["prompt"], prediction["index"],
                                                 prediction["sample"]):
             path = root / f"p{int(index):05d}_s{int(sample):02d}.png"
-            array = (image.permute(1, 2, 0).float().numpy() * 255).round().astype(np.uint8)
-            atomic_write(path, lambda tmp, a=array: Image.fromarray(a).save(tmp, format="PNG"))
+            if image.ndim == 4:  # a video [F, 3, H, W] (video families): an animated GIF
+                path = path.with_suffix(".gif")
+                frames = (image.permute(0, 2, 3, 1).float().numpy() * 255).round().astype(np.uint8)
+                atomic_write(path, lambda tmp, f=frames: Path(tmp).write_bytes(gif_bytes(f)))
+            else:
+                array = (image.permute(1, 2, 0).float().numpy() * 255).round().astype(np.uint8)
+                atomic_write(path, lambda tmp, a=array: Image.fromarray(a).save(tmp, format="PNG"))
             self.written.append(path)
             lines.append(json.dumps({"index": int(index), "sample": int(sample), "prompt": prompt, "file": path.name}))
         with open(root / f"prompts.rank{trainer.global_rank}.jsonl", "a", encoding="utf-8") as f:

@@ -93,6 +93,8 @@ class PolicyConfig:
     trainable_modules: with "full", module-name patterns (a name, a dotted suffix of one, or an fnmatch
         pattern) to train only those modules in full; null = every weight. Each must match some module.
     reference_offload: with "full" and kl_beta > 0, keep the frozen KL reference copy on the CPU between uses.
+    num_frames: video families only (Wan): frames per video, 4 k + 1; None = the family's default.
+    guidance_scale_2: two-expert video families only (Wan2.2): the low-noise expert's CFG; None = guidance_scale.
     """
 
     pretrained: str | None = None
@@ -111,6 +113,8 @@ class PolicyConfig:
     trainable: str = "lora"
     trainable_modules: list[str] | None = None
     reference_offload: bool = False
+    num_frames: int | None = None
+    guidance_scale_2: float | None = None
 
     def __post_init__(self):
         def integer(name, value, allowed, ok):
@@ -128,6 +132,11 @@ class PolicyConfig:
         if self.resolution is not None:  # the multiple of VAE factor x patch size is checked against the model
             integer("resolution", self.resolution, "an integer >= 1 (pixels) or null", lambda v: v >= 1)
         integer("seed", self.seed, "an integer", lambda v: True)
+        if self.num_frames is not None:  # the 4 k + 1 rule is the VAE's, checked by the family
+            integer("num_frames", self.num_frames, "an integer >= 1 or null", lambda v: v >= 1)
+        if self.guidance_scale_2 is not None and (isinstance(self.guidance_scale_2, bool) or not isinstance(
+                self.guidance_scale_2, (int, float)) or self.guidance_scale_2 < 1.0):
+            raise ValueError(f"policy.guidance_scale_2 must be >= 1.0 or null, got {self.guidance_scale_2!r}")
         if not isinstance(self.gradient_checkpointing, bool):
             raise ValueError(f"policy.gradient_checkpointing must be true or false, got {self.gradient_checkpointing!r}")
         if self.lora_targets is not None and (isinstance(self.lora_targets, str) or not self.lora_targets or not all(
@@ -264,6 +273,15 @@ class Policy(nn.Module):
             yield
         finally:
             self.transformer.enable_adapters()
+
+    def expert_starts(self, times: Tensor) -> tuple[int, ...]:
+        """Sampling steps (times t_0..t_S) where another network takes over (Wan2.2's low-noise expert): no JAGG
+        window straddles one. One network: none."""
+        return ()
+
+    def extra_lora_modules(self) -> dict[str, nn.Module]:
+        """Further adapted networks an export writes beside ``transformer`` (name -> module); none by default."""
+        return {}
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute the transformer blocks' activations in backward (diffusers' own switch)."""

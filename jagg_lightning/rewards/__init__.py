@@ -18,10 +18,11 @@ from jagg_lightning.rewards.monitor import MONITOR_PREFIX, MonitoredReward
 from jagg_lightning.rewards.ocr import OcrReward
 from jagg_lightning.rewards.pickscore import PickScoreReward
 from jagg_lightning.rewards.remote import RemoteReward
+from jagg_lightning.rewards.video import FrameReward, TemporalConsistency
 from jagg_lightning.rewards.weighted import WeightedReward, component_weights
 
 REWARDS: dict[str, type[Reward]] = {
-    cls.name: cls for cls in (JpegCompressibility, JpegIncompressibility, DigitReward, OcrReward)}
+    cls.name: cls for cls in (JpegCompressibility, JpegIncompressibility, DigitReward, OcrReward, TemporalConsistency)}
 
 
 def build_reward(reward: str | Reward | dict) -> Reward:
@@ -74,7 +75,7 @@ def _rebuild_arg(value):
     return value
 
 
-__all__ = ["REWARDS", "AestheticReward", "CLIPScoreReward", "DigitReward", "HPSv2Reward", "JpegCompressibility",
-           "JpegIncompressibility", "MONITOR_PREFIX", "MonitoredReward", "OcrReward", "PickScoreReward", "RemoteReward",
-           "Reward", "WeightedReward",
-           "build_reward", "check_images", "component_weights", "describe_reward", "to_pil"]
+__all__ = ["REWARDS", "AestheticReward", "CLIPScoreReward", "DigitReward", "FrameReward", "HPSv2Reward",
+           "JpegCompressibility", "JpegIncompressibility", "MONITOR_PREFIX", "MonitoredReward", "OcrReward",
+           "PickScoreReward", "RemoteReward", "Reward", "TemporalConsistency", "WeightedReward", "build_reward",
+           "check_images", "component_weights", "describe_reward", "to_pil"]

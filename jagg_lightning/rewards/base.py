@@ -10,10 +10,15 @@ from PIL import Image
 from torch import Tensor, nn
 
 
-def check_images(images: Tensor, prompts: list[str], name: str) -> None:
-    """Refuse what no reward should score: wrong shape, wrong count, values outside [0, 1]."""
-    if images.ndim != 4 or images.shape[1] != 3:
-        raise ValueError(f"reward {name}: images must be [B, 3, H, W], got shape {tuple(images.shape)}")
+def check_images(images: Tensor, prompts: list[str], name: str, video: bool = False) -> None:
+    """Refuse what no reward should score: wrong shape, wrong count, values outside [0, 1]. ``video``: the
+    reward also takes videos [B, F, 3, H, W]; an image reward given videos says how to score them."""
+    if images.ndim == 5 and images.shape[2] == 3 and not video:
+        raise ValueError(f"reward {name}: got videos {tuple(images.shape)}; score their frames with "
+                         "jagg_lightning.rewards.FrameReward(reward, frames, aggregate)")
+    if not ((images.ndim == 4 and images.shape[1] == 3) or (video and images.ndim == 5 and images.shape[2] == 3)):
+        shapes = "[B, 3, H, W] or [B, F, 3, H, W]" if video else "[B, 3, H, W]"
+        raise ValueError(f"reward {name}: images must be {shapes}, got shape {tuple(images.shape)}")
     if len(prompts) != images.shape[0]:
         raise ValueError(f"reward {name}: got {images.shape[0]} images but {len(prompts)} prompts")
     if not torch.isfinite(images).all() or images.min() < 0 or images.max() > 1:
@@ -68,6 +73,7 @@ class Reward(nn.Module):
     """
 
     name: str = "reward"
+    accepts_video: bool = False  # True: scores videos [B, F, 3, H, W] too (rewards/video.py)
 
     def __new__(cls, *args, **kwargs):
         # remember the constructor arguments, so the hyper-parameters can describe (and rebuild) the reward
@@ -109,7 +115,7 @@ class Reward(nn.Module):
 
     @torch.no_grad()
     def forward(self, images: Tensor, prompts: list[str]) -> Tensor:
-        check_images(images, prompts, self.name)
+        check_images(images, prompts, self.name, self.accepts_video)
         try:
             scores = self.score(images, prompts)
         except RewardError:

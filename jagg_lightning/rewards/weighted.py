@@ -12,6 +12,7 @@ class WeightedReward(Reward):
     """total = sum_i weight_i * reward_i(images, prompts); each component is scored once per call."""
 
     name = "weighted"
+    accepts_video = True  # each component checks what it is given (image rewards refuse videos by name)
 
     def __init__(self, rewards: list[Reward], weights: list[float] | None = None):
         super().__init__()
