@@ -14,7 +14,8 @@ each estimator's, cosine and relative error. Estimators:
 * ``v_fit2``: free coefficients v_k ~ c_a v_a + c_b v_b (least squares, pooled per window step);
 * ``nearest``: each interior step's g_k goes to its nearer anchor in t (alpha rounded);
 * ``quad3`` / ``pwl3``: three anchors (first, middle, last: 3 passes), Lagrange-quadratic or piecewise-
-  linear weights in t (W >= 4);
+  linear weights in t (W >= 4; ``pwl3`` is two chained windows); ``halves`` (W = 8): two disjoint windows of
+  4 (4 passes), so the 8-step errors of disjoint W = 4, chained and W = 8 compare on one gradient;
 * oracles, fitted on the very gradients they are scored on (bounds, not estimators): ``oracle_alpha`` the
   best alpha_k per step (anchors' columns J_j^T g_k transported, least squares), ``oracle_free`` the best
   free pair (c_a,k, c_b,k).
@@ -93,6 +94,13 @@ def three_anchor_weights(name: str, times, steps) -> dict[int, torch.Tensor]:
             others = [i for i in idx if i != j]
             out[j] = torch.prod(torch.stack([(t - t[i]) / (t[j] - t[i]) for i in others]), 0)
         return out
+    if name == "halves":  # two disjoint 2-anchor windows [0..m-1] and [m..W-1]: 4 passes, what disjoint W/2 does
+        out = {j: torch.zeros(W, dtype=torch.float64) for j in (0, m - 1, m, W - 1)}
+        for lo, hi in ((0, m - 1), (m, W - 1)):
+            for k in range(lo, hi + 1):
+                a = (t[lo] - t[k]) / (t[lo] - t[hi])
+                out[lo][k], out[hi][k] = 1 - a, a
+        return out
     # piecewise linear: [0..m] and [m..W-1]
     w0, wm, wl = torch.zeros(W, dtype=torch.float64), torch.zeros(W, dtype=torch.float64), torch.zeros(W, dtype=torch.float64)
     for k in range(W):
@@ -153,6 +161,10 @@ def group_rows(module, mb, cond, loss, trained, seed, group, sums: dict) -> list
                     up = {steps[j]: sum(float(w[i]) * g[k] for i, k in enumerate(steps))
                           for j, w in three_anchor_weights(name, mb.times, steps).items()}
                     add(name, grad_of(up), 3)
+            if W == 8:
+                up = {steps[j]: sum(float(w[i]) * g[k] for i, k in enumerate(steps))
+                      for j, w in three_anchor_weights("halves", mb.times, steps).items()}
+                add("halves", grad_of(up), 4)
             # oracles: columns J_j^T g_k for anchors j in {a, b} and every k of the window
             a, b = steps[0], steps[-1]
             Ta = torch.stack([grad_of({a: g[k]}) for k in steps], 1)  # [D, W]

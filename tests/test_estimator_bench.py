@@ -75,7 +75,7 @@ def test_three_anchor_weights(W):
     times = flow_match_sigmas(10, 3.0).double()
     steps = list(range(W))
     t = times[steps]
-    for name in ("quad3", "pwl3"):
+    for name in ("quad3", "pwl3", "halves"):
         w = est.three_anchor_weights(name, times, steps)
         total = sum(w.values())
         torch.testing.assert_close(total, torch.ones_like(total), rtol=0, atol=1e-12)  # constants
