@@ -177,15 +177,16 @@ def summarise(result: dict) -> dict:
     by = {(r["seed"], r["setting"]): r for r in runs}
     seeds = sorted({s for s, n in by if n == "exact"})  # each setting: the seeds it shares with exact
     keys = ("accuracy", "reward", "judge_accuracy", "judge_agreement")
-    ex_cpu = mean_ci([by[(s, "exact")]["cpu"][-1] for s in seeds])[0]
-    ex_final = {k: mean_ci([by[(s, "exact")]["evals"][-1][k] for s in seeds])[0] for k in keys}
-    ex_gain = {k: mean_ci([by[(s, "exact")]["evals"][-1][k] - by[(s, "exact")]["evals"][0][k] for s in seeds])[0]
-               for k in keys}
-    ex_cpu_curve = [sum(by[(s, "exact")]["evals"][i]["cpu"] for s in seeds) / len(seeds)
-                    for i in range(min(len(by[(s, "exact")]["evals"]) for s in seeds))]
+    exact_final = {k: mean_ci([by[(s, "exact")]["evals"][-1][k] for s in seeds])[0] for k in keys}
     table = {}
     for name in names:
         rs = [by[(s, name)] for s in seeds if (s, name) in by]
+        own = [r["seed"] for r in rs]  # exact's numbers below are over the same seeds (paired)
+        ex_cpu = mean_ci([by[(s, "exact")]["cpu"][-1] for s in own])[0]
+        ex_final = {k: mean_ci([by[(s, "exact")]["evals"][-1][k] for s in own])[0] for k in keys}
+        ex_gain = {k: mean_ci([by[(s, "exact")]["evals"][-1][k] - by[(s, "exact")]["evals"][0][k] for s in own])[0]
+                   for k in keys}
+        ex_cpu_curve = summary_curve(by, own, "exact", "cpu")
         row = {"seeds": [r["seed"] for r in rs], "cpu_s": mean_ci([r["cpu"][-1] for r in rs]),
                "cpu_vs_exact": mean_ci([r["cpu"][-1] / by[(r["seed"], "exact")]["cpu"][-1] for r in rs]),
                "model_ratio": model_cost(name) / model_cost("exact"),
@@ -207,13 +208,13 @@ def summarise(result: dict) -> dict:
             row[f"steps_to_exact_{k}"] = crossing(steps, curve, ex_final[k])
             row[f"cpu_to_exact_{k}_vs_exact_cpu"] = row[f"cpu_to_exact_{k}"] / ex_cpu
             # 90 % of exact's gain: defined even where the final accuracy itself is never reached
-            ex_curve = summary_curve(by, seeds, "exact", k)
+            ex_curve = summary_curve(by, own, "exact", k)
             target90 = ex_curve[0] + 0.9 * (ex_final[k] - ex_curve[0])
             row[f"cpu_to_90_{k}_vs_exact"] = crossing(cpu, curve, target90) / crossing(ex_cpu_curve, ex_curve, target90)
             row[f"curve_{k}"] = curve
         row["curve_steps"], row["curve_cpu"] = steps, cpu
         table[name] = row
-    return {"seeds": seeds, "exact_cpu_s": ex_cpu, "exact_final": ex_final, "table": table}
+    return {"seeds": seeds, "exact_final": exact_final, "table": table}
 
 
 def fmt(mc, digits=3) -> str:
@@ -252,7 +253,7 @@ def plot(result: dict, summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    fig, axes = plt.subplots(3, 2, figsize=(12, 12))
     by = {(r["seed"], r["setting"]): r for r in result["runs"]}
     for name, r in summary["table"].items():
         for row, key, label in ((0, "accuracy", "classifier"), (1, "judge_accuracy", "judge")):
@@ -265,6 +266,17 @@ def plot(result: dict, summary: dict, path: Path) -> None:
                 ax.set_ylabel(f"held-out accuracy ({label})")
                 ax.set_xlabel("optimizer step" if col == 0 else "process CPU s (training steps only, mean)")
                 ax.grid(alpha=0.3)
+        for col, key, label in ((0, "accuracy", "classifier"), (1, "judge_accuracy", "judge")):
+            # paired: setting minus exact on the same seed, per evaluation point
+            diffs = [[by[(s, name)]["evals"][i][key] - by[(s, "exact")]["evals"][i][key] for s in r["seeds"]]
+                     for i in range(len(r["curve_steps"]))]
+            ax = axes[2, col]
+            ax.errorbar(r["curve_steps"], [mean_ci(d)[0] for d in diffs], yerr=[mean_ci(d)[1] for d in diffs],
+                        marker="o", capsize=3, label=name)
+            ax.set_xlabel("optimizer step")
+            ax.set_ylabel(f"held-out accuracy ({label}) minus exact's, same seed")
+            ax.axhline(0, color="grey", lw=1)
+            ax.grid(alpha=0.3)
     for row, key in ((0, "accuracy"), (1, "judge_accuracy")):
         for col in (0, 1):
             axes[row, col].axhline(summary["exact_final"][key], color="grey", ls=":", lw=1)
