@@ -217,6 +217,44 @@ def summarise(result: dict) -> dict:
     return {"seeds": seeds, "exact_final": exact_final, "table": table}
 
 
+def extended_time_to_quality(result: dict, extended: dict) -> dict:
+    """Longer runs of a setting (``extended``: same seeds, more steps): per seed the CPU time at which it
+    reaches that seed's exact final accuracy (linear between evaluations), as a ratio to exact's CPU time,
+    and the same on the mean curves."""
+    by = {(r["seed"], r["setting"]): r for r in result["runs"]}
+    out = {}
+    for name in sorted({r["setting"] for r in extended["runs"]}):
+        rs = [r for r in extended["runs"] if r["setting"] == name and (r["seed"], "exact") in by]
+        row = {"seeds": [r["seed"] for r in rs], "steps": len(rs[0]["cpu"])}
+        for k in ("accuracy", "judge_accuracy"):
+            ratios, steps = [], []
+            for r in rs:
+                ex = by[(r["seed"], "exact")]
+                target = ex["evals"][-1][k]
+                ev = r["evals"]
+                ratios.append(crossing([e["cpu"] for e in ev], [e[k] for e in ev], target) / ex["cpu"][-1])
+                steps.append(crossing([e["step"] for e in ev], [e[k] for e in ev], target))
+            n = min(len(r["evals"]) for r in rs)
+            cpu = [sum(r["evals"][i]["cpu"] for r in rs) / len(rs) for i in range(n)]
+            curve = [sum(r["evals"][i][k] for r in rs) / len(rs) for i in range(n)]
+            ex_final = sum(by[(s, "exact")]["evals"][-1][k] for s in row["seeds"]) / len(rs)
+            ex_cpu = sum(by[(s, "exact")]["cpu"][-1] for s in row["seeds"]) / len(rs)
+            # the same in steps, priced at the main study's CPU per step of this setting (same load as exact's runs)
+            per_step = {r["seed"]: by[(r["seed"], name)]["cpu"][-1] / len(by[(r["seed"], name)]["cpu"]) for r in rs}
+            priced = [st * per_step[r["seed"]] / by[(r["seed"], "exact")]["cpu"][-1] for st, r in zip(steps, rs)]
+            mean_step = sum(per_step.values()) / len(rs)
+            row[k + "_priced"] = {"per_seed_ratio": priced, "ratio_mean_ci": mean_ci(priced)}
+            row[k] = {"per_seed_ratio": ratios, "per_seed_steps": steps, "reached": sum(not math.isnan(x) for x in ratios),
+                      "ratio_mean_ci": mean_ci(ratios), "mean_curve_ratio": crossing(cpu, curve, ex_final) / ex_cpu,
+                      "mean_curve_steps": crossing([rs[0]["evals"][i]["step"] for i in range(n)], curve, ex_final),
+                      "mean_curve_ratio_priced": crossing([rs[0]["evals"][i]["step"] for i in range(n)], curve, ex_final)
+                      * mean_step / ex_cpu,
+                      "final": mean_ci([r["evals"][-1][k] for r in rs]),
+                      "final_minus_exact60": mean_ci([r["evals"][-1][k] - by[(r["seed"], "exact")]["evals"][-1][k] for r in rs])}
+        out[name] = row
+    return out
+
+
 def fmt(mc, digits=3) -> str:
     m, h = mc
     return f"{m:.{digits}f} ± {h:.{digits}f}" if not math.isnan(h) else f"{m:.{digits}f}"
@@ -298,9 +336,13 @@ def main(argv=None):
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--resume", action="store_true", help="keep the runs already in the JSON, do the rest")
     p.add_argument("--replot", default=None)
+    p.add_argument("--extended", default=None, help="with --replot: a JSON of longer runs of a setting, same seeds")
     args = p.parse_args(argv)
     result = json.loads(Path(args.replot).read_text()) if args.replot else run(args)
     summary = summarise(result)
+    if args.extended:
+        summary["extended"] = extended_time_to_quality(result, json.loads(Path(args.extended).read_text()))
+        print(json.dumps(summary["extended"], indent=1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "time_to_quality_summary.json").write_text(json.dumps(summary, indent=1) + "\n")

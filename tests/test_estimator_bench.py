@@ -92,3 +92,18 @@ def test_time_to_quality_helpers():
     assert ttq.crossing([0, 10, 20], [0.5, 0.6, 0.8], 0.7) == pytest.approx(15.0)
     assert math.isnan(ttq.crossing([0, 10], [0.5, 0.6], 0.7))
     assert ttq.model_cost("W=4") / ttq.model_cost("exact") < 1
+
+
+def test_extended_time_to_quality_on_synthetic_runs():
+    def run(seed, setting, accs, cpu_per_step):
+        steps = 10 * (len(accs) - 1)
+        evals = [{"step": 10 * i, "cpu": 10 * i * cpu_per_step, "accuracy": a, "judge_accuracy": a} for i, a in enumerate(accs)]
+        return {"seed": seed, "setting": setting, "cpu": [cpu_per_step * (i + 1) for i in range(steps)], "evals": evals}
+
+    main = {"runs": [run(0, "exact", [0.5, 0.6, 0.7], 1.0), run(0, "W=4 fused", [0.5, 0.55, 0.65], 0.5)]}
+    ext = {"runs": [run(0, "W=4 fused", [0.5, 0.55, 0.65, 0.75], 0.4)]}
+    out = ttq.extended_time_to_quality(main, ext)["W=4 fused"]["accuracy"]
+    assert out["per_seed_steps"][0] == pytest.approx(25.0)  # 0.7 reached halfway from step 20 to 30
+    assert out["per_seed_ratio"][0] == pytest.approx(25 * 0.4 / 20)  # the extension's own clock
+    priced = ttq.extended_time_to_quality(main, ext)["W=4 fused"]["accuracy_priced"]
+    assert priced["per_seed_ratio"][0] == pytest.approx(25 * 0.5 / 20)  # priced at the main run's CPU per step
