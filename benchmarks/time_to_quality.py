@@ -15,7 +15,8 @@ steps routed), and 8 trained steps with W = 4 (two routed windows) next to exact
 The JSON is rewritten after every run; ``--replot`` summarises, plots and prints a saved one again:
 
     OMP_NUM_THREADS=1 python benchmarks/time_to_quality.py --seeds 0 1 2 3 4 --steps 60
-    python benchmarks/time_to_quality.py --replot benchmarks/results/time_to_quality.json
+    python benchmarks/time_to_quality.py --replot benchmarks/results/time_to_quality.json \
+        [--extended benchmarks/results/time_to_quality_fused80.json]   # longer runs of one setting, same seeds
 """
 
 from __future__ import annotations
