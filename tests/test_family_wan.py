@@ -163,7 +163,8 @@ def test_mixed_expert_batch_routes_each_sample_and_trains_both(rng_seed):
     v = policy.velocity(z, t, cond)
     with torch.no_grad():
         alone = torch.cat([policy.velocity(z[i:i + 1], t[i:i + 1], tuple(c[i:i + 1] for c in cond)) for i in range(3)])
-    torch.testing.assert_close(v.detach(), alone, rtol=1e-5, atol=1e-6)
+    # float32: another batch shape may round differently (a few ulps); a sample sent to the wrong expert is O(1) off
+    torch.testing.assert_close(v.detach(), alone, rtol=1e-4, atol=2e-5)
     v.square().sum().backward()
     for expert in policy.experts:
         assert sum(float(p.grad.abs().sum()) for p in expert.parameters() if p.grad is not None) > 0
