@@ -29,6 +29,7 @@ from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.config import check_precision
 from jagg_lightning.module import JAGGModule
+from jagg_lightning.policies.base import PolicyBuildError
 
 # model settings an existing checkpoint does not depend on: changing them on resume is safe
 SAFE_ON_RESUME = ("sampling.", "grpo.", "jagg.", "evaluation.", "reward", "reward_workers", "policy.guidance_scale",
@@ -78,6 +79,10 @@ class JAGGCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        if self.subcommand in ("validate", "test", "predict") and not config.get("ckpt_path") \
+                and not config.get("model.policy.adapter"):
+            print(f"jagg {self.subcommand}: no --ckpt_path and no --model.policy.adapter: sampling the untrained base "
+                  "model", file=sys.stderr)
         try:  # LightningCLI builds the model before the datamodule: check both before any model is built
             check_precision(config.get("trainer", {}).get("precision"), config.get("model.policy.dtype"))
             data = config.get("data")
@@ -90,6 +95,12 @@ class JAGGCLI(LightningCLI):
         try:
             super().instantiate_classes()
         except (ValueError, FileNotFoundError) as err:
+            self._error(str(err))
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except PolicyBuildError as err:  # found while the model is built (LoRA targets, adapter): no traceback
             self._error(str(err))
 
     def _instantiate_trainer(self, config: dict, callbacks: list):

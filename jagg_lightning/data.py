@@ -20,10 +20,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 def read_prompts(path: str | Path, field: str = "data.prompts_file") -> list[str]:
-    """Non-empty, stripped lines of a UTF-8 text file."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{field}: no such file {str(path)!r}")
+    """Non-empty, stripped lines of a UTF-8 text file (a shipped name such as ``digits_heldout``, a path from the
+    working directory or from the package's directory: :mod:`jagg_lightning.assets`)."""
+    from jagg_lightning.assets import resolve_path
+
+    path = Path(resolve_path(path, field, kind="file"))
     return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 

@@ -39,7 +39,7 @@ class DigitAccuracy(L.Callback):
         self.results: list[dict] = []
         self._step = 0
 
-    def evaluate(self, trainer, pl_module) -> dict:
+    def evaluate(self, trainer, pl_module, log: bool = True) -> dict:
         from jagg_lightning.testbed.evaluate import heldout_accuracy
 
         if self.reward is None:
@@ -50,12 +50,25 @@ class DigitAccuracy(L.Callback):
         step = trainer.global_step
         self.history.append((step, result["accuracy"], result["reward"]))
         self.results.append(result)
-        if trainer.is_global_zero:
+        if log and trainer.is_global_zero:
             metrics = {"val/digit_accuracy": result["accuracy"], "val/digit_reward": result["reward"],
                        "val/judge_accuracy": result["judge_accuracy"], "val/judge_agreement": result["judge_agreement"]}
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
         return result
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        """``jagg validate`` / ``jagg test``: the same evaluation as during fit (same prompts, seeds and samples),
+        so an exported adapter validated with ``--model.policy.adapter`` shows the accuracy its fit logged."""
+        if trainer.state.fn not in ("validate", "test") or trainer.sanity_checking:
+            return
+        result = self.evaluate(trainer, pl_module, log=False)
+        stage = "test" if trainer.state.fn == "test" else "val"
+        pl_module.log_dict({f"{stage}/digit_accuracy": result["accuracy"], f"{stage}/digit_reward": result["reward"],
+                            f"{stage}/judge_accuracy": result["judge_accuracy"],
+                            f"{stage}/judge_agreement": result["judge_agreement"]}, sync_dist=False)
+
+    on_test_epoch_end = on_validation_epoch_end
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self.evaluate(trainer, pl_module)

@@ -1,0 +1,92 @@
+"""A newcomer's first hour (issue 18), as subprocesses of the real `jagg` CLI: the main job from another working
+directory, then its exported adapter evaluated and sampled, in PEFT and diffusers format."""
+
+import csv
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = ROOT / "configs" / "digits.yaml"
+
+
+def jagg(*args, cwd, timeout=300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.run([sys.executable, "-m", "jagg_lightning", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def table_value(stdout: str, key: str) -> float:
+    """A metric from the table `jagg validate` prints."""
+    match = re.search(re.escape(key) + r"\s*│\s*([-0-9.e]+)", stdout)
+    assert match, stdout[-2000:]
+    return float(match.group(1))
+
+
+@pytest.fixture(scope="module")
+def digits_fit(tmp_path_factory):
+    """`jagg fit --config configs/digits.yaml` for 2 steps, run from a directory that is not the repository."""
+    cwd = tmp_path_factory.mktemp("elsewhere")
+    proc = jagg("fit", "--config", DIGITS, "--trainer.max_steps", 2, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(cwd / "outputs/digits/lightning_logs/version_0/metrics.csv")))
+    evals = [r for r in rows if r.get("val/digit_reward")]
+    return cwd, evals
+
+
+def test_main_job_runs_from_another_directory(digits_fit):
+    cwd, evals = digits_fit
+    assert [int(r["step"]) for r in evals] == [0, 2]  # held-out accuracy at the start and the end of fit
+    assert (cwd / "outputs/digits/lora/final/peft/adapter_model.safetensors").is_file()
+    assert (cwd / "outputs/digits/lora/final/diffusers/pytorch_lora_weights.safetensors").is_file()
+
+
+@pytest.mark.parametrize("part", ["", "peft", "diffusers"])
+def test_validate_an_exported_adapter_reproduces_what_fit_logged(digits_fit, part):
+    cwd, evals = digits_fit
+    adapter = cwd / "outputs/digits/lora/final" / part
+    proc = jagg("validate", "--config", DIGITS, "--model.policy.adapter", adapter, "--trainer.logger", "false",
+                cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "untrained base model" not in proc.stderr
+    reward = table_value(proc.stdout, "val/digit_reward")
+    accuracy = table_value(proc.stdout, "val/digit_accuracy")
+    final, base = evals[-1], evals[0]
+    # the fit's last evaluation is of the exported weights: same prompts, seeds and batch shapes -> same numbers
+    assert reward == pytest.approx(float(final["val/digit_reward"]), rel=1e-6, abs=1e-7)
+    assert accuracy == pytest.approx(float(final["val/digit_accuracy"]), abs=1e-7)
+    # ... and not the base model's (an adapter that was not loaded would show these)
+    assert abs(reward - float(base["val/digit_reward"])) > 1e-4
+
+
+def test_predict_with_an_adapter_says_what_it_wrote_and_base_sampling_is_announced(digits_fit, tmp_path):
+    cwd, _ = digits_fit
+    proc = jagg("predict", "--config", DIGITS, "--model.policy.adapter", cwd / "outputs/digits/lora/final",
+                "--trainer.default_root_dir", tmp_path, "--model.evaluation.samples_per_prompt", 2, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = sorted((tmp_path / "predictions").glob("*.png"))
+    assert len(files) == 60  # 30 held-out prompts x 2
+    assert f"wrote 60 images to {tmp_path / 'predictions'}/" in proc.stdout
+    assert "untrained base model" not in proc.stderr
+    base = jagg("predict", "--config", DIGITS, "--trainer.default_root_dir", tmp_path / "base",
+                "--data.predict_prompts", "[a handwritten seven]", cwd=cwd)
+    assert base.returncode == 0, base.stderr[-3000:]
+    assert "no --ckpt_path and no --model.policy.adapter: sampling the untrained base model" in base.stderr
+    assert "wrote 1 images" in base.stdout
+
+
+def test_training_can_start_from_an_adapter(digits_fit, tmp_path):
+    """The adapter's weights are the starting point: step 0's held-out evaluation equals the adapter's."""
+    cwd, evals = digits_fit
+    proc = jagg("fit", "--config", DIGITS, "--model.policy.adapter", cwd / "outputs/digits/lora/final/diffusers",
+                "--trainer.max_steps", 1, "--trainer.default_root_dir", tmp_path, "--trainer.logger.init_args.save_dir",
+                tmp_path, "--lora_export.dirpath", tmp_path / "lora", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "lightning_logs/version_0/metrics.csv")))
+    first = next(r for r in rows if r.get("val/digit_reward"))
+    assert int(first["step"]) == 0
+    assert float(first["val/digit_reward"]) == pytest.approx(float(evals[-1]["val/digit_reward"]), rel=1e-6)
