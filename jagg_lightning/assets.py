@@ -59,7 +59,8 @@ def resolve_path(value: str | Path | None, field: str, kind: str = "folder", hub
         return str(found)
     if hub and str(value).count("/") == 1 and not looks_local(value):
         return str(value)
-    names = ", ".join(k for k, v in SHIPPED.items() if (v.suffix == "") == (kind == "folder"))
+    names = ", ".join(k for k, v in SHIPPED.items()
+                      if kind not in ("folder", "file") or (v.suffix == "") == (kind == "folder"))
     where = "" if Path(str(value)).expanduser().is_absolute() else (
         f" in the working directory {str(Path.cwd())!r} or in {str(PACKAGE_DIR.parent)!r}")
     raise FileNotFoundError(f"{field}: no such {kind} {str(value)!r}{where} (shipped: {names})")

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from jagg_lightning.quiet import unexpected_lines
+
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "digits.yaml"
 
@@ -35,11 +37,13 @@ def digits_fit(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(open(cwd / "outputs/digits/lightning_logs/version_0/metrics.csv")))
     evals = [r for r in rows if r.get("val/digit_reward")]
-    return cwd, evals
+    return cwd, evals, proc
 
 
 def test_main_job_runs_from_another_directory(digits_fit):
-    cwd, evals = digits_fit
+    cwd, evals, proc = digits_fit
+    assert unexpected_lines(proc.stderr) == []  # quiet: no warning or info line outside quiet.ALLOWED_STDERR
+    assert "step: 2/2" in proc.stdout and "Epoch 0/-2" not in proc.stdout and "v_num" not in proc.stdout
     assert [int(r["step"]) for r in evals] == [0, 2]  # held-out accuracy at the start and the end of fit
     assert (cwd / "outputs/digits/lora/final/peft/adapter_model.safetensors").is_file()
     assert (cwd / "outputs/digits/lora/final/diffusers/pytorch_lora_weights.safetensors").is_file()
@@ -47,7 +51,7 @@ def test_main_job_runs_from_another_directory(digits_fit):
 
 @pytest.mark.parametrize("part", ["", "peft", "diffusers"])
 def test_validate_an_exported_adapter_reproduces_what_fit_logged(digits_fit, part):
-    cwd, evals = digits_fit
+    cwd, evals, _ = digits_fit
     adapter = cwd / "outputs/digits/lora/final" / part
     proc = jagg("validate", "--config", DIGITS, "--model.policy.adapter", adapter, "--trainer.logger", "false",
                 cwd=cwd)
@@ -64,7 +68,7 @@ def test_validate_an_exported_adapter_reproduces_what_fit_logged(digits_fit, par
 
 
 def test_predict_with_an_adapter_says_what_it_wrote_and_base_sampling_is_announced(digits_fit, tmp_path):
-    cwd, _ = digits_fit
+    cwd, _, _ = digits_fit
     proc = jagg("predict", "--config", DIGITS, "--model.policy.adapter", cwd / "outputs/digits/lora/final",
                 "--trainer.default_root_dir", tmp_path, "--model.evaluation.samples_per_prompt", 2, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -81,7 +85,7 @@ def test_predict_with_an_adapter_says_what_it_wrote_and_base_sampling_is_announc
 
 def test_training_can_start_from_an_adapter(digits_fit, tmp_path):
     """The adapter's weights are the starting point: step 0's held-out evaluation equals the adapter's."""
-    cwd, evals = digits_fit
+    cwd, evals, _ = digits_fit
     proc = jagg("fit", "--config", DIGITS, "--model.policy.adapter", cwd / "outputs/digits/lora/final/diffusers",
                 "--trainer.max_steps", 1, "--trainer.default_root_dir", tmp_path, "--trainer.logger.init_args.save_dir",
                 tmp_path, "--lora_export.dirpath", tmp_path / "lora", cwd=cwd)

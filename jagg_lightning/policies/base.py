@@ -141,7 +141,7 @@ class PolicyConfig:
 
         resolve_path(self.pretrained, "policy.pretrained", hub=True)
         if self.adapter is not None:
-            adapter_format(find_local(self.adapter) or resolve_path(self.adapter, "policy.adapter"))
+            adapter_format(find_local(self.adapter) or resolve_path(self.adapter, "policy.adapter", kind="folder or file"))
 
 
 class PolicyBuildError(ValueError):
@@ -194,7 +194,7 @@ class Policy(nn.Module):
             except ValueError as err:  # peft's NoMatchingPeftModuleError and its kin
                 names = [n for n, m in self.transformer.named_modules() if isinstance(m, nn.Linear)]
                 raise PolicyBuildError(f"policy.lora_targets {targets!r} match no layer of the {self.family} "
-                                       f"transformer (e.g. {', '.join(names[:4])}): {err}".split("\n")[0]) from None
+                                       f"transformer (its layers are named like {', '.join(names[-3:])})") from None
         cast_training_params(self.transformer, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
         if adapter is not None:
             from jagg_lightning.adapters import load_adapter_weights
