@@ -197,9 +197,26 @@ def cli_main(args=None, run: bool = True) -> JAGGCLI:
     )
 
 
+def set_cpu_threads() -> int:
+    """PyTorch's CPU threads: ``JAGG_NUM_THREADS``, else ``OMP_NUM_THREADS``, else 1 -- measured on the main job
+    (README, docs/configuration.md "Threads"): a second thread gains little on the small shipped models and
+    oversubscribed cores (another job running) cost up to 18x."""
+    import os
+
+    import torch
+
+    value = os.environ.get("JAGG_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or "1"
+    if not value.isdigit() or int(value) < 1:
+        print(f"jagg: error: JAGG_NUM_THREADS / OMP_NUM_THREADS must be an integer >= 1, got {value!r}", file=sys.stderr)
+        raise SystemExit(2)
+    torch.set_num_threads(int(value))
+    return int(value)
+
+
 def main() -> None:
     """Console entry point (``jagg``): returns nothing, so the exit status is LightningCLI's."""
     quiet_defaults()
+    set_cpu_threads()
     if sys.argv[1:2] == ["serve-reward"]:  # its own argument parser: it builds a reward, not a Trainer
         from jagg_lightning.rewards.server import serve_main
 

@@ -148,7 +148,13 @@ class ResumablePromptLoader(DataLoader):
 
     def __iter__(self):
         if self.epoch_sampler.resume_at is None:
-            self.consumed = 0
+            if 0 < self.consumed < len(self):
+                # the last iterator was left part-way (Lightning, resumed from a checkpoint written at an epoch's
+                # end, runs one more batch in the finished epoch and then starts a new iterator): continue this
+                # epoch's order, so the prompts follow each other exactly as in the uninterrupted run
+                self.epoch_sampler.resume_at = self.consumed * self.batch_size
+            else:
+                self.consumed = 0
         return super().__iter__()
 
     def state_dict(self) -> dict:

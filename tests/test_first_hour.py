@@ -22,6 +22,22 @@ def jagg(*args, cwd, timeout=300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+def readme_blocks(language: str) -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return re.findall(rf"```{language}\n(.*?)```", text, re.S)
+
+
+def readme_commands() -> dict[str, list[str]]:
+    """The `jagg` commands of README's shell blocks, by subcommand, as argument lists."""
+    found: dict[str, list[str]] = {}
+    for block in readme_blocks("bash"):
+        for command in (part.strip() for line in block.splitlines() for part in line.split("&&")):
+            if command.startswith("jagg "):
+                args = command.split()[1:]
+                found.setdefault(args[0], args)
+    return found
+
+
 def table_value(stdout: str, key: str) -> float:
     """A metric from the table `jagg validate` prints."""
     match = re.search(re.escape(key) + r"\s*│\s*([-0-9.e]+)", stdout)
@@ -33,7 +49,9 @@ def table_value(stdout: str, key: str) -> float:
 def digits_fit(tmp_path_factory):
     """`jagg fit --config configs/digits.yaml` for 2 steps, run from a directory that is not the repository."""
     cwd = tmp_path_factory.mktemp("elsewhere")
-    proc = jagg("fit", "--config", DIGITS, "--trainer.max_steps", 2, cwd=cwd)
+    (cwd / "configs").symlink_to(ROOT / "configs")  # README's `--config configs/digits.yaml`; nothing else is here
+    assert readme_commands()["fit"] == ["fit", "--config", "configs/digits.yaml"]
+    proc = jagg(*readme_commands()["fit"], "--trainer.max_steps", 2, cwd=cwd)  # README's main job, 2 steps
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(open(cwd / "outputs/digits/lightning_logs/version_0/metrics.csv")))
     evals = [r for r in rows if r.get("val/digit_reward")]
@@ -52,9 +70,11 @@ def test_main_job_runs_from_another_directory(digits_fit):
 @pytest.mark.parametrize("part", ["", "peft", "diffusers"])
 def test_validate_an_exported_adapter_reproduces_what_fit_logged(digits_fit, part):
     cwd, evals, _ = digits_fit
-    adapter = cwd / "outputs/digits/lora/final" / part
-    proc = jagg("validate", "--config", DIGITS, "--model.policy.adapter", adapter, "--trainer.logger", "false",
-                cwd=cwd)
+    if part == "":  # README's command as written
+        proc = jagg(*readme_commands()["validate"], cwd=cwd)
+    else:
+        proc = jagg("validate", "--config", DIGITS, "--model.policy.adapter", cwd / "outputs/digits/lora/final" / part,
+                    "--trainer.logger", "false", cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "untrained base model" not in proc.stderr
     reward = table_value(proc.stdout, "val/digit_reward")
@@ -69,12 +89,11 @@ def test_validate_an_exported_adapter_reproduces_what_fit_logged(digits_fit, par
 
 def test_predict_with_an_adapter_says_what_it_wrote_and_base_sampling_is_announced(digits_fit, tmp_path):
     cwd, _, _ = digits_fit
-    proc = jagg("predict", "--config", DIGITS, "--model.policy.adapter", cwd / "outputs/digits/lora/final",
-                "--trainer.default_root_dir", tmp_path, "--model.evaluation.samples_per_prompt", 2, cwd=cwd)
+    proc = jagg(*readme_commands()["predict"], cwd=cwd)  # README's command as written
     assert proc.returncode == 0, proc.stderr[-3000:]
-    files = sorted((tmp_path / "predictions").glob("*.png"))
-    assert len(files) == 60  # 30 held-out prompts x 2
-    assert f"wrote 60 images to {tmp_path / 'predictions'}/" in proc.stdout
+    files = sorted((cwd / "outputs/digits/predictions").glob("*.png"))
+    assert len(files) == 30  # the 30 held-out prompts, one sample each
+    assert "wrote 30 images to outputs/digits/predictions/" in proc.stdout
     assert "untrained base model" not in proc.stderr
     base = jagg("predict", "--config", DIGITS, "--trainer.default_root_dir", tmp_path / "base",
                 "--data.predict_prompts", "[a handwritten seven]", cwd=cwd)
@@ -94,3 +113,31 @@ def test_training_can_start_from_an_adapter(digits_fit, tmp_path):
     first = next(r for r in rows if r.get("val/digit_reward"))
     assert int(first["step"]) == 0
     assert float(first["val/digit_reward"]) == pytest.approx(float(evals[-1]["val/digit_reward"]), rel=1e-6)
+
+
+def test_readme_python_snippets_run_as_written(digits_fit, tmp_path, monkeypatch):
+    """README's drop-in snippet (max_steps shortened to 1) and its diffusers / peft loading snippet, on the
+    adapter the main job exported."""
+    import torch
+
+    train, load = readme_blocks("python")
+    assert "max_steps=60" in train
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(train.replace("max_steps=60", "max_steps=1"), "README.md (drop-in)", "exec"), scope)
+    assert scope["trainer"].global_step == 1 and (tmp_path / "lora/final/peft/adapter_config.json").is_file()
+
+    cwd, _, _ = digits_fit
+    monkeypatch.chdir(cwd)
+    scope = {}
+    exec(compile(load, "README.md (loading)", "exec"), scope)
+    [image] = scope["images"]
+    assert image.size == (32, 32)
+    # the peft-merged transformer carries the trained adapter: its weights differ from the shipped base
+    from diffusers import SD3Transformer2DModel
+    from jagg_lightning.testbed import PIPELINE_DIR
+
+    base = SD3Transformer2DModel.from_pretrained(PIPELINE_DIR, subfolder="transformer")
+    merged = scope["transformer"]
+    name = "transformer_blocks.0.attn.to_q.weight"
+    assert not torch.equal(dict(merged.named_parameters())[name], dict(base.named_parameters())[name])

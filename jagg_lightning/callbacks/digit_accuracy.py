@@ -37,6 +37,7 @@ class DigitAccuracy(L.Callback):
         self.judge: DigitJudge | None = None
         self.history: list[tuple[int, float, float]] = []
         self.results: list[dict] = []
+        self.base_result: dict | None = None  # the base model (adapter off), measured once, for sample grids
         self._step = 0
 
     def evaluate(self, trainer, pl_module, log: bool = True) -> dict:
@@ -57,6 +58,13 @@ class DigitAccuracy(L.Callback):
                 logger.log_metrics(metrics, step=step)
         return result
 
+    def column_scores(self) -> dict | None:
+        """{"base": held-out accuracy of the base model, "fine-tuned": of the latest evaluation} (SampleImages
+        writes them on its grids), or None before the first evaluation."""
+        if not self.history or self.base_result is None:
+            return None
+        return {"base": self.base_result["accuracy"], "fine-tuned": self.history[-1][1]}
+
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         """``jagg validate`` / ``jagg test``: the same evaluation as during fit (same prompts, seeds and samples),
         so an exported adapter validated with ``--model.policy.adapter`` shows the accuracy its fit logged."""
@@ -71,7 +79,14 @@ class DigitAccuracy(L.Callback):
     on_test_epoch_end = on_validation_epoch_end
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        self.evaluate(trainer, pl_module)
+        result = self.evaluate(trainer, pl_module)
+        if self.base_result is None:  # the base model: the first evaluation itself unless an adapter is loaded
+            from jagg_lightning.testbed.evaluate import heldout_accuracy
+
+            fresh = trainer.ckpt_path is None and trainer.global_step == 0 and pl_module.policy_config.adapter is None
+            self.base_result = result if fresh else heldout_accuracy(
+                pl_module, self.reward, self.prompts, self.samples_per_prompt, self.seed, self.num_steps,
+                adapter=False)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._step += 1
