@@ -79,5 +79,5 @@ def labelled_grid(grid: np.ndarray, side: int, row_labels: list[str], column_lab
     for c, label in enumerate(column_labels):
         draw.text((width + c * group + 4, line // 2), label, fill="black", font=font)
         if c:
-            draw.line([(width + c * group - 1, 0), (width + c * group - 1, canvas.height)], fill="red", width=2)
+            draw.line([(width + c * group, 0), (width + c * group, 2 * line - 1)], fill="red", width=2)  # header only
     return np.asarray(canvas)
