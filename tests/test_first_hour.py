@@ -141,3 +141,21 @@ def test_readme_python_snippets_run_as_written(digits_fit, tmp_path, monkeypatch
     merged = scope["transformer"]
     name = "transformer_blocks.0.attn.to_q.weight"
     assert not torch.equal(dict(merged.named_parameters())[name], dict(base.named_parameters())[name])
+
+
+def test_configuration_page_lists_every_registered_reward_and_callback():
+    import inspect
+
+    import lightning as L
+
+    import jagg_lightning.callbacks as callbacks
+    from jagg_lightning.callbacks.progress import StepProgressBar
+    from jagg_lightning.rewards import REWARDS
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    for name in REWARDS:
+        assert f"`{name}`" in page, name
+    classes = [getattr(callbacks, n) for n in callbacks.__all__ if inspect.isclass(getattr(callbacks, n))]
+    for cls in [*classes, StepProgressBar]:
+        if issubclass(cls, L.Callback):
+            assert f"`{cls.__name__}`" in page, cls.__name__
