@@ -105,3 +105,74 @@ def _write_lora(policy, transformer, tmp: Path, suffix: str, weights: dict[str, 
     policy.pipeline_class.save_lora_weights(
         str(tmp / (DIFFUSERS_DIR + suffix)), transformer_lora_layers=weights, transformer_lora_adapter_metadata=metadata
     )
+
+
+ADAPTER_WEIGHTS = {PEFT_DIR: "adapter_model.safetensors", DIFFUSERS_DIR: "pytorch_lora_weights.safetensors"}
+
+
+def adapter_format(path: str | Path, field: str = "policy.adapter") -> tuple[str, Path]:
+    """("peft" | "diffusers", the folder holding its weights) for an export folder (``.../lora/final``: its
+    ``peft/`` is read), a ``peft/`` folder, a ``diffusers/`` folder or a diffusers ``.safetensors`` file."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".safetensors":
+        return DIFFUSERS_DIR, path.parent
+    for kind, folder in ((PEFT_DIR, path / PEFT_DIR), (DIFFUSERS_DIR, path / DIFFUSERS_DIR), (PEFT_DIR, path),
+                         (DIFFUSERS_DIR, path)):
+        if (folder / ADAPTER_WEIGHTS[kind]).is_file():
+            return kind, folder
+    raise FileNotFoundError(f"{field}: {str(path)!r} holds no LoRA adapter (expected peft/adapter_model.safetensors "
+                            "or diffusers/pytorch_lora_weights.safetensors, as LoRAExport writes them)")
+
+
+def read_adapter(path: str | Path, field: str = "policy.adapter") -> tuple[dict, dict[str, torch.Tensor]]:
+    """(its shape {"r", "lora_alpha", "target_modules"}, its weights named as :func:`lora_state_dict` names them)
+    of an exported adapter in PEFT or diffusers format (see :func:`adapter_format`)."""
+    from safetensors import safe_open
+
+    kind, folder = adapter_format(path, field)
+    file = folder / ADAPTER_WEIGHTS[kind]
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            metadata = f.metadata() or {}
+            weights = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as err:  # a truncated or foreign file: name it, whatever the reader's error
+        raise ValueError(f"{field}: cannot read {str(file)!r}: {type(err).__name__}: {err}") from None
+    prefix = PEFT_KEY_PREFIX if kind == PEFT_DIR else "transformer."
+    weights = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+    if kind == PEFT_DIR and (folder / "adapter_config.json").is_file():
+        shape = json.loads((folder / "adapter_config.json").read_text())
+    elif "lora_adapter_metadata" in metadata:  # what diffusers' save_lora_weights records
+        shape = json.loads(metadata["lora_adapter_metadata"])
+        shape = {k.removeprefix("transformer."): v for k, v in shape.items()}
+    else:  # no metadata: diffusers' own assumption, alpha = rank
+        rank = next(v.shape[0] for k, v in weights.items() if "lora_A" in k)
+        shape = {"r": rank, "lora_alpha": rank}
+    if not weights:
+        raise ValueError(f"{field}: {str(file)!r} holds no transformer LoRA weights")
+    targets = shape.get("target_modules") or sorted({k.split(".lora_")[0] for k in weights})
+    shape = {"r": int(shape["r"]), "lora_alpha": float(shape["lora_alpha"]),
+             "target_modules": sorted(targets) if isinstance(targets, (list, tuple, set)) else targets}
+    return shape, weights
+
+
+def load_adapter_weights(transformer, weights: dict[str, torch.Tensor], field: str = "policy.adapter") -> None:
+    """Copy ``weights`` (:func:`read_adapter`) into the transformer's LoRA; every LoRA weight must be given and
+    every given weight must fit, or ValueError naming ``field``."""
+    own = lora_state_dict(transformer)
+    missing = sorted(set(own) - set(weights))
+    unexpected = sorted(set(weights) - set(own))
+    wrong = sorted(k for k in set(own) & set(weights) if own[k].shape != weights[k].shape)
+    if missing or unexpected or wrong:
+        raise ValueError(f"{field}: the adapter does not fit this model's LoRA: {len(missing)} missing "
+                         f"{missing[:2]}, {len(unexpected)} unexpected {unexpected[:2]}, {len(wrong)} of another "
+                         f"shape {wrong[:2]} (is it for this base model?)")
+    params = dict(transformer.named_parameters())
+    by_key = {}
+    for name, param in params.items():  # peft names parameters "<module>.lora_A.default.weight"
+        key = name.replace(".default.", ".")
+        if key in weights:
+            by_key[key] = param
+    assert set(by_key) == set(weights), "peft parameter naming changed"
+    with torch.no_grad():
+        for key, param in by_key.items():
+            param.copy_(weights[key].to(param.dtype))

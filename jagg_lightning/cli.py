@@ -20,16 +20,28 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
+from jagg_lightning import __version__
 from jagg_lightning.callbacks import LoRAExport, PredictionImages
 from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
+from jagg_lightning.callbacks.progress import StepProgressBar
+from jagg_lightning.cli_errors import (
+    as_user_field, check_checkpoint_file, check_trainer, command_line_keys, explain_parse_error, flat_keys, one_line,
+)
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.config import check_precision
 from jagg_lightning.module import JAGGModule
+from jagg_lightning.policies.base import PolicyBuildError
 from jagg_lightning.rewards.base import RewardError
+from jagg_lightning.quiet import quiet_defaults
+
+DESCRIPTION = ("jagg: GRPO fine-tuning of flow-matching text-to-image transformers (SD3, FLUX, Qwen-Image, ...) "
+               "with a LoRA, where JAGG replaces most per-step backward passes. Start with: jagg fit --config "
+               "configs/digits.yaml")
 
 # model settings an existing checkpoint does not depend on: changing them on resume is safe
 SAFE_ON_RESUME = ("sampling.", "grpo.", "jagg.", "evaluation.", "reward", "reward_workers", "policy.guidance_scale",
@@ -48,6 +60,25 @@ def _safe_on_resume(key: str) -> bool:
 
 
 class JAGGCLI(LightningCLI):
+    def init_parser(self, **kwargs):
+        parser = super().init_parser(**kwargs)
+        original = parser.error
+
+        def error(message: str, ex: Exception | None = None):  # one line, a suggestion, no usage dump
+            if not parser.exit_on_error:
+                return original(message, ex)
+            known = set()
+            for sub in getattr(self, "_subcommand_parsers", {}).values():
+                known |= flat_keys(sub.get_defaults())
+            self._error(explain_parse_error(message, self._argv, known))
+
+        parser.error = error
+        return parser
+
+    def parse_arguments(self, parser, args) -> None:
+        self._argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else sys.argv[1:]
+        super().parse_arguments(parser, args)
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(LoRAExport, "lora_export")
 
@@ -56,6 +87,10 @@ class JAGGCLI(LightningCLI):
         if not subcommand:
             return
         ckpt_path = self.config[subcommand].get("ckpt_path")
+        try:
+            check_checkpoint_file(ckpt_path)
+        except ValueError as err:
+            self._error(str(err))
         if not (ckpt_path and Path(ckpt_path).is_file()):
             return super()._parse_ckpt_path()
         user = _leaves(self.config[subcommand].get("model"))
@@ -63,7 +98,10 @@ class JAGGCLI(LightningCLI):
         super()._parse_ckpt_path()  # the checkpoint's hyper-parameters replace the model section
         restored = _leaves(self.config[subcommand].get("model"))
         # what the user said: values that differ from both the defaults and the checkpoint
-        given = {k: v for k, v in user.items() if v != defaults.get(k) and v != restored.get(k)}
+        # (or that the command line names, even when it restates a default: --model.policy.lora_alpha 64)
+        said = command_line_keys(self._argv, "model")
+        given = {k: v for k, v in user.items()
+                 if (v != defaults.get(k) or k in said) and v != restored.get(k)}
         refused = sorted(k for k in given if not _safe_on_resume(k))
         if refused:
             listed = "; ".join(f"model.{k}: checkpoint {restored.get(k)!r}, given {given[k]!r}" for k in refused)
@@ -80,12 +118,28 @@ class JAGGCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
         try:  # LightningCLI builds the model before the datamodule: check both before any model is built
+            check_trainer(config.get("trainer"))
             check_precision(config.get("trainer", {}).get("precision"), config.get("model.policy.dtype"))
             data = config.get("data")
             if data is not None and not hasattr(data, "class_path"):
                 PromptDataModule.check_arguments(**dict(data.items()))
+                self._check_eval_prompts(data)
         except (ValueError, FileNotFoundError) as err:
             self._error(str(err))
+        if self.subcommand in ("validate", "test", "predict") and not config.get("ckpt_path") \
+                and not config.get("model.policy.adapter"):
+            print(f"jagg {self.subcommand}: no --ckpt_path and no --model.policy.adapter: sampling the untrained base "
+                  "model", file=sys.stderr)
+
+    def _check_eval_prompts(self, data) -> None:
+        held_out = data.get("val_prompts") is not None or data.get("val_prompts_file") is not None
+        if self.subcommand in ("validate", "test") and not held_out:
+            raise ValueError(f"data.val_prompts: jagg {self.subcommand} needs held-out prompts: give data.val_prompts "
+                             "(a list) or data.val_prompts_file (one prompt a line)")
+        if self.subcommand == "predict" and not held_out and data.get("predict_prompts") is None \
+                and data.get("predict_prompts_file") is None:
+            raise ValueError("data.predict_prompts: jagg predict needs prompts: give data.predict_prompts (a list), "
+                             "data.predict_prompts_file, or validation prompts (data.val_prompts)")
 
     def instantiate_classes(self) -> None:
         try:
@@ -93,12 +147,31 @@ class JAGGCLI(LightningCLI):
         except (ValueError, FileNotFoundError) as err:
             self._error(str(err))
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except PolicyBuildError as err:  # found while the model is built (LoRA targets, adapter): no traceback
+            self._error(str(err))
+        except MisconfigurationException as err:  # Lightning's checks of trainer settings at fit start
+            self._error(f"trainer: {err}")
+
     def _instantiate_trainer(self, config: dict, callbacks: list):
         plugins = config.get("plugins")
         plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins.append(AtomicCheckpointIO())
         config["plugins"] = plugins
+        try:
+            return self._build_trainer(config, callbacks)
+        except MisconfigurationException as err:  # a trainer value Lightning refuses
+            self._error(f"trainer: {err}")
+
+    def _build_trainer(self, config: dict, callbacks: list):
+        given = config.get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        if config.get("enable_progress_bar") is not False and not any(
+                isinstance(c, ProgressBar) for c in [*given, *callbacks]):
+            callbacks = [*callbacks, StepProgressBar()]
         if self.subcommand == "predict":  # predictions are images: write them unless the user has a writer
             given = config.get("callbacks") or []
             given = given if isinstance(given, list) else [given]
@@ -107,7 +180,7 @@ class JAGGCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
     def _error(self, message: str) -> None:
-        print(f"jagg: error: {message}", file=sys.stderr)
+        print(f"jagg: error: {one_line(as_user_field(message))}", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -119,13 +192,32 @@ def cli_main(args=None, run: bool = True) -> JAGGCLI:
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"description": DESCRIPTION, "version": __version__, "prog": "jagg"},
         trainer_defaults={"accelerator": "auto", "devices": 1},
         auto_configure_optimizers=False,  # the module's own model.optimizer sees only the LoRA parameters
     )
 
 
+def set_cpu_threads() -> int:
+    """PyTorch's CPU threads: ``JAGG_NUM_THREADS``, else ``OMP_NUM_THREADS``, else 1 -- measured on the main job
+    (README, docs/configuration.md "Threads"): a second thread gains little on the small shipped models and
+    oversubscribed cores (another job running) cost up to 18x."""
+    import os
+
+    import torch
+
+    value = os.environ.get("JAGG_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or "1"
+    if not value.isdigit() or int(value) < 1:
+        print(f"jagg: error: JAGG_NUM_THREADS / OMP_NUM_THREADS must be an integer >= 1, got {value!r}", file=sys.stderr)
+        raise SystemExit(2)
+    torch.set_num_threads(int(value))
+    return int(value)
+
+
 def main() -> None:
     """Console entry point (``jagg``): returns nothing, so the exit status is LightningCLI's."""
+    quiet_defaults()
+    set_cpu_threads()
     if sys.argv[1:2] == ["serve-reward"]:  # its own argument parser: it builds a reward, not a Trainer
         from jagg_lightning.rewards.server import serve_main
 

@@ -20,10 +20,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 def read_prompts(path: str | Path, field: str = "data.prompts_file") -> list[str]:
-    """Non-empty, stripped lines of a UTF-8 text file."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{field}: no such file {str(path)!r}")
+    """Non-empty, stripped lines of a UTF-8 text file (a shipped name such as ``digits_heldout``, a path from the
+    working directory or from the package's directory: :mod:`jagg_lightning.assets`)."""
+    from jagg_lightning.assets import resolve_path
+
+    path = Path(resolve_path(path, field, kind="file"))
     return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
@@ -147,7 +148,13 @@ class ResumablePromptLoader(DataLoader):
 
     def __iter__(self):
         if self.epoch_sampler.resume_at is None:
-            self.consumed = 0
+            if 0 < self.consumed < len(self):
+                # the last iterator was left part-way (Lightning, resumed from a checkpoint written at an epoch's
+                # end, runs one more batch in the finished epoch and then starts a new iterator): continue this
+                # epoch's order, so the prompts follow each other exactly as in the uninterrupted run
+                self.epoch_sampler.resume_at = self.consumed * self.batch_size
+            else:
+                self.consumed = 0
         return super().__iter__()
 
     def state_dict(self) -> dict:

@@ -99,9 +99,15 @@ def test_sample_images_grid_adapter_off_and_on(tmp_path, rng_seed):
     fit(module, 3, [samples], logger=TensorBoardLogger(tmp_path), root=tmp_path)
     assert [p.name for p in samples.written] == ["step_000002.png", "step_000003.png"]
     side = module.policy.resolution
-    with Image.open(samples.written[-1]) as img:
-        assert img.size == (2 * side, 3 * side)
-        grid = torch.from_numpy(np.asarray(img.convert("RGB"))).float()
+    grid = torch.from_numpy(samples.last_grid).float()  # the unlabelled grid at native size
+    assert grid.shape[:2] == (3 * side, 2 * side)
+    with Image.open(samples.written[-1]) as img:  # what is written: upscaled (nearest) and labelled
+        written = np.asarray(img.convert("RGB"))
+    scale = -(-96 // side)
+    assert written.shape[0] > 3 * side * scale and written.shape[1] > 2 * side * scale
+    rows, cols = written.shape[0], written.shape[1]  # the images sit at the bottom right, whole
+    assert np.array_equal(written[rows - 3 * side * scale:: scale, cols - 2 * side * scale:: scale],
+                          samples.last_grid)
     off, on = grid[:, :side], grid[:, side:]
     assert (off - on).abs().mean() > 0.5  # the trained adapter changes the image
     # the off column is the base model: an untrained module with the same base draws the same images

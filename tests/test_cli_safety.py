@@ -99,7 +99,7 @@ def no_model(monkeypatch):
     (["--model.policy.dtype", "float8"], "policy.dtype must be one of"),
     (["--model.policy.resolution", "0"], "policy.resolution must be an integer >= 1"),
     (["--model.policy.resolution", "-32"], "policy.resolution must be an integer >= 1"),
-    (["--model.jagg.window_size", "12"], "jagg.window_size must be <= sampling.trained_steps"),
+    (["--model.jagg.window_size", "12"], "model.jagg.window_size must be <= model.sampling.trained_steps"),
     (["--model.evaluation.num_steps", "0"], "evaluation.num_steps must be >= 1"),
     (["--data.prompts", "a cat"], "data.prompts must be a list of strings"),
     (["--data.prompts", "['a cat', '  ']"], "data.prompts[1] must be a non-blank string"),

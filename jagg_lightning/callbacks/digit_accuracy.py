@@ -37,9 +37,10 @@ class DigitAccuracy(L.Callback):
         self.judge: DigitJudge | None = None
         self.history: list[tuple[int, float, float]] = []
         self.results: list[dict] = []
+        self.base_result: dict | None = None  # the base model (adapter off), measured once, for sample grids
         self._step = 0
 
-    def evaluate(self, trainer, pl_module) -> dict:
+    def evaluate(self, trainer, pl_module, log: bool = True) -> dict:
         from jagg_lightning.testbed.evaluate import heldout_accuracy
 
         if self.reward is None:
@@ -50,15 +51,42 @@ class DigitAccuracy(L.Callback):
         step = trainer.global_step
         self.history.append((step, result["accuracy"], result["reward"]))
         self.results.append(result)
-        if trainer.is_global_zero:
+        if log and trainer.is_global_zero:
             metrics = {"val/digit_accuracy": result["accuracy"], "val/digit_reward": result["reward"],
                        "val/judge_accuracy": result["judge_accuracy"], "val/judge_agreement": result["judge_agreement"]}
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
         return result
 
+    def column_scores(self) -> dict | None:
+        """{"base": held-out accuracy of the base model, "fine-tuned": of the latest evaluation} (SampleImages
+        writes them on its grids), or None before the first evaluation."""
+        if not self.history or self.base_result is None:
+            return None
+        return {"base": self.base_result["accuracy"], "fine-tuned": self.history[-1][1]}
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        """``jagg validate`` / ``jagg test``: the same evaluation as during fit (same prompts, seeds and samples),
+        so an exported adapter validated with ``--model.policy.adapter`` shows the accuracy its fit logged."""
+        if trainer.state.fn not in ("validate", "test") or trainer.sanity_checking:
+            return
+        result = self.evaluate(trainer, pl_module, log=False)
+        stage = "test" if trainer.state.fn == "test" else "val"
+        pl_module.log_dict({f"{stage}/digit_accuracy": result["accuracy"], f"{stage}/digit_reward": result["reward"],
+                            f"{stage}/judge_accuracy": result["judge_accuracy"],
+                            f"{stage}/judge_agreement": result["judge_agreement"]}, sync_dist=False)
+
+    on_test_epoch_end = on_validation_epoch_end
+
     def on_fit_start(self, trainer, pl_module) -> None:
-        self.evaluate(trainer, pl_module)
+        result = self.evaluate(trainer, pl_module)
+        if self.base_result is None:  # the base model: the first evaluation itself unless an adapter is loaded
+            from jagg_lightning.testbed.evaluate import heldout_accuracy
+
+            fresh = trainer.ckpt_path is None and trainer.global_step == 0 and pl_module.policy_config.adapter is None
+            self.base_result = result if fresh else heldout_accuracy(
+                pl_module, self.reward, self.prompts, self.samples_per_prompt, self.seed, self.num_steps,
+                adapter=False)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._step += 1

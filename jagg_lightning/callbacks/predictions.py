@@ -41,3 +41,9 @@ class PredictionImages(BasePredictionWriter):
             lines.append(json.dumps({"index": int(index), "sample": int(sample), "prompt": prompt, "file": path.name}))
         with open(root / f"prompts.rank{trainer.global_rank}.jsonl", "a", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in lines))
+        self.root = root
+
+    def on_predict_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero and self.written:
+            print(f"jagg predict: wrote {len(self.written)} images to {self.root}/ (p<prompt>_s<sample>.png; "
+                  f"prompts.rank{trainer.global_rank}.jsonl lists each file's prompt)")

@@ -56,6 +56,9 @@ def check_family(name: str) -> None:
 
 def pipeline_class_name(pretrained: str) -> str:
     """``_class_name`` of a local pipeline directory's model_index.json, or of a hub id's (fetched alone)."""
+    from jagg_lightning.assets import find_local
+
+    pretrained = str(find_local(pretrained) or pretrained)  # shipped names, package-relative paths
     index = Path(pretrained) / "model_index.json"
     if index.is_file():
         return json.loads(index.read_text())["_class_name"]

@@ -95,6 +95,11 @@ class PolicyConfig:
     reference_offload: with "full" and kl_beta > 0, keep the frozen KL reference copy on the CPU between uses.
     num_frames: video families only (Wan): frames per video, 4 k + 1; None = the family's default.
     guidance_scale_2: two-expert video families only (Wan2.2): the low-noise expert's CFG; None = guidance_scale.
+    adapter: an exported LoRA (``LoRAExport``'s folder, its ``peft/`` or ``diffusers/`` part) to start from:
+        its rank, alpha and targets replace lora_rank / lora_alpha / lora_targets (evaluate, sample or train on).
+
+    Local paths (``pretrained``, ``adapter``) are found from any directory (:mod:`jagg_lightning.assets`:
+    ``pretrained: digits`` is the shipped test bed); a missing one fails here, naming the field.
     """
 
     pretrained: str | None = None
@@ -115,6 +120,7 @@ class PolicyConfig:
     reference_offload: bool = False
     num_frames: int | None = None
     guidance_scale_2: float | None = None
+    adapter: str | None = None
 
     def __post_init__(self):
         def integer(name, value, allowed, ok):
@@ -150,6 +156,17 @@ class PolicyConfig:
             from jagg_lightning.policies import check_family
 
             check_family(self.family)
+        from jagg_lightning.adapters import adapter_format
+        from jagg_lightning.assets import find_local, resolve_path
+
+        resolve_path(self.pretrained, "policy.pretrained", hub=True)
+        if self.adapter is not None:
+            adapter_format(find_local(self.adapter) or resolve_path(self.adapter, "policy.adapter", kind="folder or file"))
+
+
+class PolicyBuildError(ValueError):
+    """A configuration value that only the model can refute (LoRA targets, an adapter that does not fit): the
+    CLI shows it as one ``jagg: error:`` line."""
 
 
 class Policy(nn.Module):
@@ -170,7 +187,10 @@ class Policy(nn.Module):
             if config.pretrained is None:
                 pipeline = self.build_tiny_pipeline(config.seed, dtype)
             else:
-                pipeline = self.load_pipeline(config.pretrained, dtype, config)
+                from jagg_lightning.assets import resolve_path
+
+                pipeline = self.load_pipeline(resolve_path(config.pretrained, "policy.pretrained", hub=True), dtype,
+                                              config)
         # the pipeline is kept outside the module tree (its encode_prompt is reused); the scheduler is copied
         object.__setattr__(self, "_pipeline", pipeline)
         self.scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config)
@@ -187,13 +207,38 @@ class Policy(nn.Module):
         # the effective peft target_modules (the family's default when policy.lora_targets is null)
         self.lora_targets = targets = list(config.lora_targets if config.lora_targets is not None
                                            else self.default_lora_targets)
+        rank, alpha, adapter = config.lora_rank, config.lora_alpha, None
+        if config.adapter is not None:  # an exported adapter: its own shape, then its weights
+            adapter = self._read_adapter(config.adapter)
+            rank, alpha, self.lora_targets = adapter[0]["r"], adapter[0]["lora_alpha"], adapter[0]["target_modules"]
+            targets = self.lora_targets
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed + 1)
-            self.transformer.add_adapter(
-                LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, init_lora_weights="gaussian",
-                           target_modules=targets)
-            )
+            try:
+                self.transformer.add_adapter(
+                    LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
+            except ValueError as err:  # peft's NoMatchingPeftModuleError and its kin
+                names = [n for n, m in self.transformer.named_modules() if isinstance(m, nn.Linear)]
+                raise PolicyBuildError(f"policy.lora_targets {targets!r} match no layer of the {self.family} "
+                                       f"transformer (its layers are named like {', '.join(names[-3:])})") from None
         cast_training_params(self.transformer, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        if adapter is not None:
+            from jagg_lightning.adapters import load_adapter_weights
+
+            try:
+                load_adapter_weights(self.transformer, adapter[1])
+            except ValueError as err:
+                raise PolicyBuildError(str(err)) from None
+
+    @staticmethod
+    def _read_adapter(path: str):
+        from jagg_lightning.adapters import read_adapter
+        from jagg_lightning.assets import find_local
+
+        try:
+            return read_adapter(find_local(path) or path)
+        except (ValueError, FileNotFoundError) as err:
+            raise PolicyBuildError(str(err)) from None
 
     # ------------------------------------------------------------------ what a family writes
     @classmethod
