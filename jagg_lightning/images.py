@@ -101,8 +101,12 @@ def labelled_grid(grid: np.ndarray, side: int, row_labels: list[str], column_lab
     """A readable copy of ``grid`` (uint8 [rows*side, cols*side, 3], e.g. from :func:`image_grid`): every pixel
     repeated ``scale`` times (nearest; None = enough for ``min_side`` px per image), one prompt per row written at
     the left, and one label per column group above it (``column_labels`` split the columns evenly: e.g.
-    ``["base: held-out acc 0.47", "fine-tuned: 0.63"]`` over 2 x 4 samples)."""
+    ``["base: held-out acc 0.47", "fine-tuned: 0.63"]`` over 2 x 4 samples). A video grid (uint8
+    [F, rows*side, cols*side, 3]) is labelled frame by frame."""
     from PIL import Image, ImageDraw, ImageFont
+
+    if grid.ndim == 4:
+        return np.stack([labelled_grid(frame, side, row_labels, column_labels, scale, min_side) for frame in grid])
 
     scale = scale or max(1, -(-min_side // side))
     big = grid.repeat(scale, axis=0).repeat(scale, axis=1)

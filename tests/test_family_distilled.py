@@ -65,7 +65,7 @@ def test_too_short_trajectory_for_the_window_is_a_config_error(preset, steps, wi
     with pytest.raises(SystemExit):
         cli_main(args, run=False)
     trained = int(steps) - 1  # all but the last step
-    assert f"jagg.window_size must be <= sampling.trained_steps ({trained}), got {window}" in capsys.readouterr().err
+    assert f"model.jagg.window_size must be <= model.sampling.trained_steps ({trained}), got {window}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("build", [build_tiny_flux2_pipeline, build_tiny_z_image_pipeline], ids=["flux2", "z_image"])

@@ -296,7 +296,8 @@ def test_sample_videos_and_predictions_are_gifs(twin_dirs, tmp_path, rng_seed):
                         callbacks=[samples, PredictionImages(str(tmp_path / "pred"))])
     trainer.fit(module, PromptDataModule(prompts=PROMPTS, batch_size=2, shuffle=False))
     gif = Image.open(samples.written[0])
-    assert samples.written[0].suffix == ".gif" and gif.n_frames == 9 and gif.size == (64, 64)  # 2 prompts x off|on
+    assert samples.last_grid.shape == (9, 64, 64, 3)  # 9 frames of 2 prompts x off|on at 32 px
+    assert samples.written[0].suffix == ".gif" and gif.n_frames == 9 and min(gif.size) > 64  # upscaled, labelled
     assert any(p.name.startswith("events") for p in (tmp_path / "tb").rglob("*"))
     trainer.predict(module, PromptDataModule(prompts=PROMPTS, predict_prompts=PROMPTS, batch_size=2, shuffle=False),
                     return_predictions=False)

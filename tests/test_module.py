@@ -222,7 +222,7 @@ def test_bad_configuration_through_cli_names_the_field():
     proc = subprocess.run([sys.executable, "-m", "jagg_lightning", "fit", "--config", str(ROOT / "configs/tiny.yaml"),
                            "--model.jagg.jagg_frac", "2.0"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2
-    assert "jagg: error: jagg.jagg_frac must be in [0, 1]" in proc.stderr
+    assert "jagg: error: model.jagg.jagg_frac must be in [0, 1]" in proc.stderr
     assert "Traceback" not in proc.stderr  # the module's message, not a stack
 
 

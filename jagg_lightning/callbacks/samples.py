@@ -68,8 +68,8 @@ class SampleImages(L.Callback):
         path = Path(self.dirpath or log_dir(trainer) / "samples") / f"step_{trainer.global_step:06d}.png"
         if not trainer.is_global_zero:  # log_dir above runs on every process: it broadcasts
             return
-        labelled = labelled_grid(grid, grid.shape[0] // len(self.prompts), self.prompts, self.column_labels(trainer),
-                                 self.scale)
+        side = grid.shape[-3] // len(self.prompts)  # an image grid [H, W, 3] or a video grid [F, H, W, 3]
+        labelled = labelled_grid(grid, side, self.prompts, self.column_labels(trainer), self.scale)
         self.written.append(write_image(trainer, path, "samples", labelled))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

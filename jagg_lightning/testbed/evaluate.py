@@ -62,7 +62,7 @@ def module_from_config(config_path, seed: int = 0, **jagg):
     """A :class:`JAGGModule` with the ``model`` section of a LightningCLI YAML (e.g. configs/digits.yaml),
     the policy / sampling seeds set to ``seed`` and ``jagg`` overriding fields of its ``jagg`` section.
 
-    The shipped pipeline's repository-relative path is resolved to the installed package directory.
+    A shipped name (``pretrained: digits``) or a relative path is resolved to the folder it names (:mod:`jagg_lightning.assets`).
     Every field of the section is honoured (the optimizer's ``class_path`` and ``init_args`` too); a field
     this builder does not take (``lr_scheduler``) stops it with the field's name.
     Returns (module, the YAML as a dict).
@@ -73,7 +73,7 @@ def module_from_config(config_path, seed: int = 0, **jagg):
     import yaml
 
     from jagg_lightning.module import JAGGModule
-    from jagg_lightning.testbed import PIPELINE_DIR
+    from jagg_lightning.assets import find_local
 
     cfg = yaml.safe_load(Path(config_path).read_text())
     model = dict(cfg["model"])
@@ -82,8 +82,9 @@ def module_from_config(config_path, seed: int = 0, **jagg):
     if unsupported:
         raise ValueError(f"module_from_config: model.{sorted(unsupported)[0]} is not supported here (use jagg fit)")
     model["policy"] = dict(model["policy"], seed=seed)
-    if model["policy"].get("pretrained") == "jagg_lightning/testbed/digits_sd3":
-        model["policy"]["pretrained"] = str(PIPELINE_DIR)
+    if model["policy"].get("pretrained") is not None:  # a shipped name (digits) or a path from any directory
+        found = find_local(model["policy"]["pretrained"])
+        model["policy"]["pretrained"] = str(found.resolve()) if found is not None else model["policy"]["pretrained"]
     model["sampling"] = dict(model.get("sampling") or {}, seed=seed)
     model["jagg"] = dict(model.get("jagg") or {}) | jagg
     if model.get("optimizer"):  # a config the user wrote (not checkpoint data): its optimizer's module may be imported
