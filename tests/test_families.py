@@ -51,6 +51,17 @@ def module_for(case, path, seed, guidance=None, dtype="float32", jagg_frac=0.5, 
     return module
 
 
+def tiny_fit_args(config, seed: str, pretrained, tmp_path) -> list[str]:
+    """`jagg fit` arguments: a family's tiny config on its saved twin (detected from model_index.json), 4 sampling
+    steps, groups of 2, W = 2, 2 steps, the adapter exported under ``tmp_path / "lora"``."""
+    return ["--config", str(config), "--seed_everything", seed, "--model.policy.seed", seed,
+            "--model.policy.family", "null", "--model.policy.pretrained", str(pretrained),
+            "--model.sampling.num_steps", "4", "--model.sampling.group_size", "2", "--model.jagg.window_size", "2",
+            "--data.prompts_file", str(ROOT / "configs/prompts/tiny.txt"), "--trainer.max_steps", "2",
+            "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.callbacks", "[]",
+            "--trainer.default_root_dir", str(tmp_path), "--lora_export.dirpath", str(tmp_path / "lora")]
+
+
 def fit(module, steps=1):
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
@@ -211,12 +222,7 @@ def test_jagg_fit_writes_an_adapter_the_family_pipeline_loads(case, twin_dirs, t
     """`jagg fit` with the family's tiny config (configs/<family>_tiny.yaml) on the saved twin, the family
     detected from its model_index.json, fewer steps; the family pipeline's load_lora_weights reproduces it."""
     seed = str(rng_seed % 10_000)
-    args = ["--config", str(ROOT / case.tiny_config), "--seed_everything", seed, "--model.policy.seed", seed,
-            "--model.policy.family", "null", "--model.policy.pretrained", str(twin_dirs[case.name]),
-            "--model.sampling.num_steps", "4", "--model.sampling.group_size", "2", "--model.jagg.window_size", "2",
-            "--data.prompts_file", str(ROOT / "configs/prompts/tiny.txt"), "--trainer.max_steps", "2",
-            "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.callbacks", "[]",
-            "--trainer.default_root_dir", str(tmp_path), "--lora_export.dirpath", str(tmp_path / "lora")]
+    args = tiny_fit_args(ROOT / case.tiny_config, seed, twin_dirs[case.name], tmp_path)
     cli = cli_main(args, run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
     policy = cli.model.policy

@@ -22,6 +22,7 @@ from jagg_lightning.policies.wan import build_tiny_wan_pipeline
 from jagg_lightning.rewards import FrameReward
 
 from helpers import exact_per_step_gradient, lora_grads, randomize_lora_b, rel_error, tiny_policy_config
+from test_families import tiny_fit_args
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["a red cat", "a blue dog"]
@@ -226,12 +227,7 @@ def test_jagg_fit_writes_adapters_wan_pipeline_loads(twin, twin_dirs, tmp_path, 
     ``load_into_transformer_2=True``) and PeftModel reproduce the trained velocity on both experts."""
     seed = str(rng_seed % 10_000)
     tiny = "configs/wan22_tiny.yaml" if TWINS[twin] else "configs/wan_tiny.yaml"
-    args = ["--config", str(ROOT / tiny), "--seed_everything", seed, "--model.policy.seed", seed,
-            "--model.policy.family", "null", "--model.policy.pretrained", str(twin_dirs[twin]),
-            "--model.sampling.num_steps", "4", "--model.sampling.group_size", "2", "--model.jagg.window_size", "2",
-            "--data.prompts_file", str(ROOT / "configs/prompts/tiny.txt"), "--trainer.max_steps", "2",
-            "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.callbacks", "[]",
-            "--trainer.default_root_dir", str(tmp_path), "--lora_export.dirpath", str(tmp_path / "lora")]
+    args = tiny_fit_args(ROOT / tiny, seed, twin_dirs[twin], tmp_path)
     cli = cli_main(args, run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
     policy, final = cli.model.policy, tmp_path / "lora" / "final"

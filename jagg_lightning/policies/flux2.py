@@ -38,20 +38,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from jagg_lightning.policies.base import Policy, PolicyConfig
+from jagg_lightning.policies.base import JOINT_ATTENTION_LORA_TARGETS, Policy, PolicyConfig
 
 # Flow-Factory's default FLUX.2 [klein] LoRA targets (models/flux/flux2_klein.py ``default_target_modules``):
 # both streams' attention and FFNs in the double-stream blocks, the fused qkv+MLP input projection of the
 # single-stream blocks (their output projection ``attn.to_out`` is a plain Linear no ".0" name matches).
 FLUX2_LORA_TARGETS = [
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
+    *JOINT_ATTENTION_LORA_TARGETS,
     "ff.linear_in",
     "ff.linear_out",
     "ff_context.linear_in",
