@@ -37,6 +37,7 @@ from jagg_lightning.config import check_precision
 from jagg_lightning.module import JAGGModule
 from jagg_lightning.policies.base import PolicyBuildError
 from jagg_lightning.rewards.base import RewardError
+from jagg_lightning.state import CheckpointMismatchError
 from jagg_lightning.quiet import quiet_defaults
 
 DESCRIPTION = ("jagg: GRPO fine-tuning of flow-matching text-to-image transformers (SD3, FLUX, Qwen-Image, ...) "
@@ -55,8 +56,9 @@ def _leaves(namespace) -> dict:
     return dict(namespace.items(branches=False)) if hasattr(namespace, "items") else {"": namespace}
 
 
-def _safe_on_resume(key: str) -> bool:
-    return any(key.startswith(p) if p.endswith(".") else key == p or key.startswith(p + ".") for p in SAFE_ON_RESUME)
+def _safe_on_resume(key: str, fitting: bool = True) -> bool:
+    safe = SAFE_ON_RESUME if fitting else SAFE_ON_RESUME + ("optimizer", "lr_scheduler")
+    return any(key.startswith(p) if p.endswith(".") else key == p or key.startswith(p + ".") for p in safe)
 
 
 class JAGGCLI(LightningCLI):
@@ -102,12 +104,16 @@ class JAGGCLI(LightningCLI):
         said = command_line_keys(self._argv, "model")
         given = {k: v for k, v in user.items()
                  if (v != defaults.get(k) or k in said) and v != restored.get(k)}
-        refused = sorted(k for k in given if not _safe_on_resume(k))
+        # evaluating a checkpoint reads no optimizer state: only what the weights depend on is refused there
+        fitting = subcommand == "fit"
+        refused = sorted(k for k in given if not _safe_on_resume(k, fitting))
         if refused:
             listed = "; ".join(f"model.{k}: checkpoint {restored.get(k)!r}, given {given[k]!r}" for k in refused)
             self._error(
                 f"--ckpt_path {ckpt_path}: cannot change on resume what the checkpoint's LoRA or optimizer state "
-                f"depends on: {listed}. Drop these overrides, or start a new run without --ckpt_path."
+                f"depends on: {listed}. Drop these overrides, or start a new run without --ckpt_path." if fitting else
+                f"--ckpt_path {ckpt_path}: the checkpoint was trained with other model settings than given: {listed}. "
+                "Drop these overrides (the checkpoint's own are used), or give the matching checkpoint."
             )
         for key, value in given.items():
             self.config[subcommand][f"model.{key}"] = value
@@ -152,6 +158,8 @@ class JAGGCLI(LightningCLI):
             super()._run_subcommand(subcommand)
         except PolicyBuildError as err:  # found while the model is built (LoRA targets, adapter): no traceback
             self._error(str(err))
+        except CheckpointMismatchError as err:  # found when the checkpoint meets the built model
+            self._error(f"ckpt_path {self.config[subcommand].get('ckpt_path')}: {err}")
         except MisconfigurationException as err:  # Lightning's checks of trainer settings at fit start
             self._error(f"trainer: {err}")
 

@@ -12,6 +12,7 @@ checkpoint, so a run resumed mid-epoch sees exactly the prompts it would have se
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import lightning as L
 import torch
@@ -145,6 +146,9 @@ class ResumablePromptLoader(DataLoader):
         super().__init__(dataset, batch_size=batch_size, sampler=self.epoch_sampler,
                          drop_last=len(self.epoch_sampler) >= batch_size)
         self.consumed = 0
+        # batches handed out whose training step did not finish (the datamodule asks the trainer): 1 in a checkpoint
+        # written on an exception inside a step (OnExceptionCheckpoint), so its prompts are trained again on resume
+        self.unfinished_batches: Callable[[], int] = lambda: 0
 
     def __iter__(self):
         if self.epoch_sampler.resume_at is None:
@@ -158,7 +162,7 @@ class ResumablePromptLoader(DataLoader):
         return super().__iter__()
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch_sampler.epoch, "consumed": self.consumed}
+        return {"epoch": self.epoch_sampler.epoch, "consumed": self.consumed - self.unfinished_batches()}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch_sampler.epoch = int(state["epoch"])
@@ -223,6 +227,8 @@ class PromptDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> ResumablePromptLoader:
         self._loader = ResumablePromptLoader(PromptDataset(self.prompts), self.batch_size, self.shuffle, self.seed)
+        if self.trainer is not None:
+            self._loader.unfinished_batches = self._unfinished_batches
         return self._loader
 
     def _eval_loader(self, prompts: list[str]) -> DataLoader:
@@ -239,6 +245,11 @@ class PromptDataModule(L.LightningDataModule):
         if prompts is None:
             raise ValueError("data: jagg predict needs data.predict_prompts (or data.val_prompts)")
         return self._eval_loader(prompts)
+
+    def _unfinished_batches(self) -> int:
+        """Batches of this epoch handed out (``ready``) minus those whose training step returned (``processed``)."""
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
+        return max(progress.ready - progress.processed, 0)
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         if self.trainer is not None and self.trainer.training and self._loader is not None:

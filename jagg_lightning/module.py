@@ -122,6 +122,7 @@ class JAGGModule(L.LightningModule):
         self.ema_decay, self.ema = ema_decay, None
         self._ema_restored = False  # set when a checkpoint's EMA state is loaded
         self.rollouts_done = 0  # training steps (rollouts) so far; global_step counts optimizer steps
+        self._step_rng: dict | None = None  # the RNG streams as the running training step found them
         self.exact_backwards = 0  # backward passes exact GRPO would have made in the last training step
         self.trained_steps = self.sampling.trainable_steps  # every step a rollout may train
         self.plan: RolloutPlan = plan_rollout(self.sampling, self.jagg, 0)  # of the last rollout (callbacks read it)
@@ -200,8 +201,11 @@ class JAGGModule(L.LightningModule):
     # ------------------------------------------------------------------ training
     @_full_precision_defaults
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        self._step_rng = state.rng_state()  # a checkpoint written on an exception inside the step restarts it
         with self.training_guidance():
-            return self._training_step(batch, batch_idx)
+            loss = self._training_step(batch, batch_idx)
+        self._step_rng = None
+        return loss
 
     def _training_step(self, batch: dict, batch_idx: int) -> Tensor:
         prompts, indices = unpack_prompt_batch(batch)
@@ -347,7 +351,7 @@ class JAGGModule(L.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         if "hyper_parameters" in checkpoint:  # plain data only, so weights_only=True can load it
             checkpoint["hyper_parameters"] = state.plain(dict(checkpoint["hyper_parameters"]))
-        checkpoint["jagg"] = state.jagg_section(self.policy, self.ema, self.rollouts_done)
+        checkpoint["jagg"] = state.jagg_section(self.policy, self.ema, self.rollouts_done, self._step_rng)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state.check_checkpoint_adapter(checkpoint, self.policy, {n for n, _ in self._trainable_named_parameters()})

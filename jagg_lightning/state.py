@@ -89,18 +89,25 @@ def _numpy_rng_state_from_list(state: list):
     return (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
 
 
-def jagg_section(policy, ema, rollouts: int) -> dict:
-    """The checkpoint's ``jagg`` section: adapter identity, EMA shadow, rollouts so far and every RNG stream."""
+def rng_state() -> dict:
+    """Every RNG stream, as plain data (``weights_only`` loads it)."""
     return {
-        "adapter": adapter_identity(policy),
-        "ema": None if ema is None else ema.state_dict(),
-        "rollouts": rollouts,
-        "rng": {
-            "torch": torch.get_rng_state(),
-            "python": _python_rng_state_to_list(random.getstate()),
-            "numpy": _numpy_rng_state_to_list(np.random.get_state()),
-        },
+        "torch": torch.get_rng_state(),
+        "python": _python_rng_state_to_list(random.getstate()),
+        "numpy": _numpy_rng_state_to_list(np.random.get_state()),
     }
+
+
+def jagg_section(policy, ema, rollouts: int, rng: dict | None = None) -> dict:
+    """The checkpoint's ``jagg`` section: adapter identity, EMA shadow, rollouts so far and every RNG stream
+    (``rng``: the streams as a step found them, for a checkpoint written on an exception inside that step)."""
+    return {"adapter": adapter_identity(policy), "ema": None if ema is None else ema.state_dict(),
+            "rollouts": rollouts, "rng": rng or rng_state()}
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint written for another adapter (base model, family, LoRA rank or targets); the CLI shows it as one
+    ``jagg: error:`` line naming ``ckpt_path``."""
 
 
 def check_checkpoint_adapter(checkpoint: dict, policy, trainable: set[str]) -> None:
@@ -109,11 +116,12 @@ def check_checkpoint_adapter(checkpoint: dict, policy, trainable: set[str]) -> N
     if saved is not None:  # checkpoints from before identities were recorded load on the key check below
         mismatch = identity_mismatch(saved, adapter_identity(policy))
         if mismatch:
-            raise ValueError("checkpoint adapter does not match this module's (model.policy): " + "; ".join(mismatch))
+            raise CheckpointMismatchError(
+                "the checkpoint's adapter does not match this module's (model.policy): " + "; ".join(mismatch))
     missing = trainable - set(checkpoint["state_dict"])
     if missing:
-        raise KeyError(
-            f"checkpoint lacks {len(missing)} LoRA weights (e.g. {sorted(missing)[0]}): was it written with "
+        raise CheckpointMismatchError(
+            f"the checkpoint lacks {len(missing)} LoRA weights (e.g. {sorted(missing)[0]}): was it written with "
             "the same policy.lora_targets / lora_rank?"
         )
 

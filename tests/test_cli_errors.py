@@ -62,6 +62,8 @@ CASES = {
     "lora_targets": ("fit", ["--model.policy.lora_targets", "[no_such_module]"],
                      r"model\.policy\.lora_targets \['no_such_module'\] match no layer"),
     "ckpt_missing": ("fit", ["--ckpt_path", "{tmp}/nothing.ckpt"], r"ckpt_path: no such file"),
+    "resolution": ("fit", ["--model.policy.resolution", 36],
+                   r"model\.policy\.resolution must be a multiple of 8 \(.*\), got 36"),
 }
 
 
@@ -104,7 +106,7 @@ def test_a_file_that_is_not_a_checkpoint_names_ckpt_path(kind, tmp_path):
     assert f"ckpt_path: '{path}' is not a" in line, line
 
 
-def test_resume_refuses_an_override_that_restates_a_default(tmp_path):
+def test_resume_refuses_an_override_and_another_adapters_checkpoint(tmp_path):
     """policy.lora_alpha 64 is the default; the checkpoint was trained with 16: refused by name, not ignored."""
     config = yaml.safe_load(TINY.read_text())
     config["trainer"] |= {"max_steps": 1, "enable_checkpointing": True, "callbacks": None, "logger": False,
@@ -122,6 +124,17 @@ def test_resume_refuses_an_override_that_restates_a_default(tmp_path):
     line = one_error_line(jagg("fit", "--config", path, "--ckpt_path", ckpt, "--trainer.max_steps", 2,
                                "--model.policy.lora_alpha", 64, cwd=tmp_path))
     assert "model.policy.lora_alpha: checkpoint 16.0, given 64.0" in line, line
+
+    # a checkpoint of another adapter (tiny's, evaluated on the digits model): one line naming ckpt_path, whether
+    # the checkpoint's recorded settings tell (before any model is built) or only its weights do (hyper-parameters gone)
+    line = one_error_line(jagg("validate", "--config", DIGITS, "--ckpt_path", ckpt, cwd=tmp_path))
+    assert f"--ckpt_path {ckpt}: the checkpoint was trained with other model settings" in line
+    assert "model.policy.pretrained: checkpoint None, given 'digits'" in line, line
+    bare = torch.load(ckpt, weights_only=True)
+    del bare["hyper_parameters"]
+    torch.save(bare, tmp_path / "bare.ckpt")
+    line = one_error_line(jagg("validate", "--config", DIGITS, "--ckpt_path", tmp_path / "bare.ckpt", cwd=tmp_path))
+    assert f"ckpt_path {tmp_path / 'bare.ckpt'}: the checkpoint's adapter does not match" in line, line
 
 
 def test_version_and_help_say_what_the_tool_is(tmp_path):

@@ -365,3 +365,48 @@ def test_validation_mean_is_over_every_sample_of_every_process(tmp_path, rng_see
     # Generation: the same images as one process makes. JPEG sizes are whole bytes, and an ulp of difference
     # in a pixel (another batch layout) can move one image by a byte: 1e-3 kB over 6 images.
     assert ddp["val/reward_mean"] == pytest.approx(float(expected), abs=2e-3)
+
+
+class Parsed(Exception):
+    """Raised instead of building anything: the resume's overrides are decided by then."""
+
+
+@pytest.mark.parametrize("args,key,value", [
+    (["--model.sampling.noise_level", "0.55"], "sampling.noise_level", 0.55),
+    (["--model.grpo.clip_range", "0.003"], "grpo.clip_range", 0.003),
+    (["--model.jagg.jagg_frac", "0.25"], "jagg.jagg_frac", 0.25),
+    (["--model.evaluation.grid_prompts", "1"], "evaluation.grid_prompts", 1),
+    (["--model.reward", "jpeg_incompressibility"], "reward", "jpeg_incompressibility"),
+    (["--model.reward_workers", "3"], "reward_workers", 3),
+    (["--model.policy.guidance_scale", "2.5"], "policy.guidance_scale", 2.5),
+    (["--model.policy.lora_alpha", "64"], None, "model.policy.lora_alpha: checkpoint 8"),  # restates the default
+    (["--model.policy.lora_targets", "[to_q]"], None, "model.policy.lora_targets: checkpoint"),
+    (["--model.ema_decay", "0.5"], None, "model.ema_decay: checkpoint None, given 0.5"),
+    (["--model.optimizer", "torch.optim.SGD", "--model.optimizer.lr", "0.1"], None, "model.optimizer"),
+    (["--model.lr_scheduler", "torch.optim.lr_scheduler.ConstantLR"], None, "model.lr_scheduler"),
+])
+def test_every_resume_override_is_applied_or_refused_by_name(cli_run, args, key, value, capsys, monkeypatch):
+    """One override per section of the model on resume from the run's checkpoint: the ones the checkpoint does not
+    depend on reach the module's config (and are announced); the others stop with one line naming the field."""
+    from jagg_lightning.cli import JAGGCLI
+
+    root, config, _ = cli_run
+    seen = {}
+
+    def parsed(self):
+        seen.update(self.config["fit"]["model"].items(branches=False))
+        raise Parsed
+
+    monkeypatch.setattr(JAGGCLI, "before_instantiate_classes", parsed)
+    common = ["fit", "--config", str(config), "--ckpt_path", str(root / "ckpt" / "last.ckpt")]
+    if key is None:
+        with pytest.raises(SystemExit) as info:
+            cli_main([*common, *args])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert info.value.code == 2 and len(err) == 1 and err[0].startswith("jagg: error: --ckpt_path"), err
+        assert value in err[0], err[0]
+        return
+    with pytest.raises(Parsed):
+        cli_main([*common, *args])
+    assert seen.get(key) == value, {k: v for k, v in seen.items() if k.startswith(key.split(".")[0])}
+    assert f"with overrides: model.{key}" in capsys.readouterr().err

@@ -90,3 +90,22 @@ def test_load_from_checkpoint_builds_the_policy_and_restores_the_lora(tmp_path, 
     lora = [n for n, p in loaded.named_parameters() if p.requires_grad]
     assert lora and all(torch.equal(dict(loaded.named_parameters())[n], trained[n]) for n in lora)
     assert any(not torch.equal(dict(fresh.named_parameters())[n], trained[n]) for n in lora)
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "flux2", "qwen_image", "z_image", "wan"])
+def test_a_resolution_the_family_cannot_take_is_refused_before_any_model_is_built(family, tmp_path, rng_seed):
+    """From the saved folder's JSON files alone (PolicyConfig, no model), with the multiple diffusers' own pipeline
+    implies (its VAE scale factor x the 2x2 patches every family uses), and the same words as the build's check."""
+    rng = torch.Generator().manual_seed(rng_seed)
+    cls = FAMILIES[family].policy_class()
+    pipeline = cls.build_tiny_pipeline(rng_seed % 1000)
+    pipeline.save_pretrained(tmp_path)
+    multiple = 2 * (getattr(pipeline, "vae_scale_factor_spatial", None) or pipeline.vae_scale_factor)
+    k, off = (int(v) for v in (torch.randint(1, 64, (1,), generator=rng), torch.randint(1, multiple, (1,), generator=rng)))
+    bad = multiple * k + off
+    message = rf"policy\.resolution must be a multiple of {multiple} .*got {bad}"
+    with pytest.raises(ValueError, match=message):
+        PolicyConfig(pretrained=str(tmp_path), resolution=bad)
+    PolicyConfig(pretrained=str(tmp_path), resolution=multiple * k)  # a good one passes the check
+    with pytest.raises(ValueError, match=message):  # the build's own check (a hub id is only checked there)
+        build_policy(tiny_policy_config(resolution=bad, family=family, lora_targets=None), pipeline=pipeline)

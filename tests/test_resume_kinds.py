@@ -1,13 +1,14 @@
 """Resume from every checkpoint Lightning writes continues exactly as the uninterrupted run (issue 18): the default
-epoch-end ModelCheckpoint, a step-based one (mid-epoch) and `last.ckpt` -- same prompts in the same order, same
-rewards and the same LoRA weights, bit for bit."""
+epoch-end ModelCheckpoint, a step-based one (mid-epoch), `last.ckpt` and OnExceptionCheckpoint's (written when a step
+fails part-way: that step is trained again) -- same prompts in the same order, same rewards and the same LoRA
+weights, bit for bit."""
 
 import random
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, PromptDataModule, SamplingConfig
 
@@ -27,6 +28,17 @@ class Seen(Callback):
                           float(trainer.callback_metrics["train/reward_mean"])))
 
 
+class FailInsideStep(Callback):
+    """Raises after the rollout and the backward passes of the step after ``step``, before its optimizer step."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        if trainer.global_step == self.step:
+            raise RuntimeError("a failure inside the training step")
+
+
 def run(seed, root, steps, checkpoint=None, ckpt_path=None):
     module = JAGGModule(tiny_policy_config(seed=seed), SamplingConfig(num_steps=4, group_size=2, rollout_batch_size=4,
                                                                       seed=seed),
@@ -35,8 +47,11 @@ def run(seed, root, steps, checkpoint=None, ckpt_path=None):
     seen = Seen()
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=checkpoint is not None, default_root_dir=root,
-                        callbacks=[seen] + ([checkpoint] if checkpoint else []))
-    trainer.fit(module, PromptDataModule(prompts=PROMPTS[:4], batch_size=2, seed=seed), ckpt_path=ckpt_path)
+                        callbacks=[seen] + (list(checkpoint) if checkpoint else []))
+    try:
+        trainer.fit(module, PromptDataModule(prompts=PROMPTS[:4], batch_size=2, seed=seed), ckpt_path=ckpt_path)
+    except RuntimeError as err:
+        assert "inside the training step" in str(err)
     return seen.rows, [p.detach().clone() for p in module.policy.lora_parameters()]
 
 
@@ -46,14 +61,18 @@ def uninterrupted(tmp_path_factory):
     return seed, *run(seed, tmp_path_factory.mktemp("full"), 7)
 
 
-# `last.ckpt` (save_last) is written by the same hooks as these two: at an epoch's end or after a step
-@pytest.mark.parametrize("kind", ["epoch_end_default", "every_n_train_steps_mid_epoch"])
+@pytest.mark.parametrize("kind", ["epoch_end_default", "every_n_train_steps_mid_epoch", "last", "on_exception"])
 def test_resume_continues_exactly(kind, uninterrupted, tmp_path):
     seed, full_rows, full_weights = uninterrupted
+    ckpt = tmp_path / "ckpt"
     if kind == "epoch_end_default":  # what Lightning writes by default: epoch=1-step=4.ckpt at the epoch's end
-        checkpoint, stop = ModelCheckpoint(dirpath=tmp_path / "ckpt"), 4
+        checkpoint, stop = [ModelCheckpoint(dirpath=ckpt)], 4
     elif kind == "every_n_train_steps_mid_epoch":
-        checkpoint, stop = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1), 3
+        checkpoint, stop = [ModelCheckpoint(dirpath=ckpt, every_n_train_steps=3, save_top_k=-1)], 3
+    elif kind == "last":  # only last.ckpt, rewritten after every step
+        checkpoint, stop = [ModelCheckpoint(dirpath=ckpt, every_n_train_steps=1, save_top_k=0, save_last=True)], 5
+    else:  # the step after step 3 fails after its rollout and backward: the 3 finished steps are all that count
+        checkpoint, stop = [OnExceptionCheckpoint(dirpath=ckpt), FailInsideStep(3)], 7
     first_rows, _ = run(seed, tmp_path / "first", stop, checkpoint)
     [path] = (tmp_path / "ckpt").glob("*.ckpt")
     second_rows, second_weights = run(seed, tmp_path / "second", 7, ckpt_path=str(path))

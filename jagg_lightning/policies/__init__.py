@@ -89,6 +89,22 @@ def detect_family(config: PolicyConfig) -> Family:
     return family_for_pipeline_class(pipeline_class_name(config.pretrained))
 
 
+def check_resolution_in_folder(config: PolicyConfig) -> None:
+    """Refuse a ``policy.resolution`` the local pipeline folder's family cannot take, from the folder's JSON files
+    alone (before any model is built). A hub id, or no folder: checked when the model is built."""
+    from jagg_lightning.assets import find_local
+
+    folder = find_local(config.pretrained) if config.pretrained is not None else None
+    if config.resolution is None or folder is None:
+        return
+    files = [folder / part / "config.json" for part in ("vae", "transformer")]
+    if not all(f.is_file() for f in files):
+        return  # not a diffusers pipeline folder: the build names what is missing
+    vae, transformer = (json.loads(f.read_text()) for f in files)
+    cls = detect_family(config).policy_class()
+    cls.check_resolution(config.resolution, cls.pixel_multiple(vae, transformer))
+
+
 def policy_class(config: PolicyConfig) -> type[Policy]:
     return detect_family(config).policy_class()
 
@@ -110,5 +126,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["DTYPES", "FAMILIES", "Family", "Policy", "PolicyConfig", "build_policy", "check_family", "detect_family",
+__all__ = ["DTYPES", "FAMILIES", "Family", "Policy", "PolicyConfig", "build_policy", "check_family",
+           "check_resolution_in_folder", "detect_family",
            "family_for_pipeline_class", "policy_class", "register_family"]

@@ -162,6 +162,9 @@ class PolicyConfig:
         resolve_path(self.pretrained, "policy.pretrained", hub=True)
         if self.adapter is not None:
             adapter_format(find_local(self.adapter) or resolve_path(self.adapter, "policy.adapter", kind="folder or file"))
+        from jagg_lightning.policies import check_resolution_in_folder
+
+        check_resolution_in_folder(self)
 
 
 class PolicyBuildError(ValueError):
@@ -318,6 +321,27 @@ class Policy(nn.Module):
             yield
         finally:
             self.transformer.enable_adapters()
+
+    # the transformer's patch side in latent pixels; the packed families (FLUX.1/.2) take 1x1 patches of 2x2 packs
+    packing: int | None = None
+
+    @classmethod
+    def pixel_multiple(cls, vae_config, transformer_config) -> int:
+        """What ``policy.resolution`` must be a multiple of: the VAE's spatial factor times the patch side. Read from
+        the loaded modules' configs or, before any model is built, from the pipeline folder's JSON files."""
+        if vae_config.get("scale_factor_spatial"):  # Wan's VAE says it
+            factor = int(vae_config["scale_factor_spatial"])
+        elif vae_config.get("temperal_downsample") is not None:  # Wan / Qwen-Image VAEs (diffusers' spelling)
+            factor = 2 ** len(vae_config["temperal_downsample"])
+        else:
+            factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
+        patch = cls.packing or transformer_config.get("patch_size") or transformer_config.get("all_patch_size") or 1
+        return factor * int(patch[-1] if isinstance(patch, (list, tuple)) else patch)
+
+    @staticmethod
+    def check_resolution(resolution: int, multiple: int, why: str = "the VAE factor x the patch side") -> None:
+        if resolution % multiple:
+            raise ValueError(f"policy.resolution must be a multiple of {multiple} ({why}), got {resolution}")
 
     def expert_starts(self, times: Tensor) -> tuple[int, ...]:
         """Sampling steps (times t_0..t_S) where another network takes over (Wan2.2's low-noise expert): no JAGG

@@ -103,6 +103,7 @@ class FluxPolicy(Policy):
 
     family = "flux"
     pipeline_class_name = "FluxPipeline"
+    packing = 2  # 1x1 patches of 2x2-packed latents
     default_lora_targets = FLUX_LORA_TARGETS
 
     @classmethod
@@ -124,14 +125,11 @@ class FluxPolicy(Policy):
         self.text_encoders = nn.ModuleList([m for m in (pipeline.text_encoder, pipeline.text_encoder_2) if m is not None])
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.latent_channels = self.transformer.config.in_channels // 4
-        multiple = self.vae_scale_factor * 2
         # the VAE's sample size (1024 for FLUX.1, 32 for the tiny twin); FluxPipeline's own default otherwise
         native = self.vae.config.get("sample_size") or pipeline.default_sample_size * self.vae_scale_factor
         native = native if isinstance(native, int) else native[0]
         self.resolution = self.config.resolution or native
-        if self.resolution % multiple:
-            raise ValueError(f"policy.resolution must be a multiple of {multiple} (VAE factor x 2x2 packing), "
-                             f"got {self.resolution}")
+        self.check_resolution(self.resolution, self.pixel_multiple(self.vae.config, self.transformer.config))
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:

@@ -126,6 +126,7 @@ class Flux2Policy(Policy):
 
     family = "flux2"
     pipeline_class_name = "Flux2KleinPipeline"
+    packing = 2  # 1x1 patches of 2x2-packed latents
     default_lora_targets = FLUX2_LORA_TARGETS
     # the Qwen3 layers whose hidden states make the condition (the pipeline's default text_encoder_out_layers)
     text_encoder_out_layers = (9, 18, 27)
@@ -143,13 +144,10 @@ class Flux2Policy(Policy):
             raise ValueError("policy.guidance_scale must be 1.0 for a step-distilled FLUX.2 [klein] (is_distilled in "
                              f"model_index.json: guidance is baked in), got {self.config.guidance_scale}")
         self.vae_scale_factor = pipeline.vae_scale_factor
-        multiple = self.vae_scale_factor * 2  # VAE downsampling times the 2x2 patches
         # the VAE's sample size (the twin's 32 px); the pipeline's default (1024 px) otherwise
         native = self.vae.config.get("sample_size") or pipeline.default_sample_size * self.vae_scale_factor
         self.resolution = self.config.resolution or (native if isinstance(native, int) else native[0])
-        if self.resolution % multiple:
-            raise ValueError(f"policy.resolution must be a multiple of {multiple} (VAE factor x 2x2 patches), "
-                             f"got {self.resolution}")
+        self.check_resolution(self.resolution, self.pixel_multiple(self.vae.config, self.transformer.config))
 
     # ------------------------------------------------------------------ shapes and schedule
     @property

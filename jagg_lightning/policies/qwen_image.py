@@ -174,12 +174,10 @@ class QwenImagePolicy(Policy):
         self.text_encoders = nn.ModuleList([pipeline.text_encoder])
         self.vae_scale_factor = pipeline.vae_scale_factor
         self.latent_channels = self.transformer.config.in_channels // 4
-        patch = self.vae_scale_factor * 2  # VAE downsampling times the 2x2 packing
         # None: the tiny twin's 32 px, or the pipeline's default (1024 px for Qwen-Image)
         native = 32 if self.config.pretrained is None else pipeline.default_sample_size * self.vae_scale_factor
         self.resolution = self.config.resolution or native
-        if self.resolution % patch:
-            raise ValueError(f"policy.resolution must be a multiple of {patch}, got {self.resolution}")
+        self.check_resolution(self.resolution, self.pixel_multiple(self.vae.config, self.transformer.config))
 
     # ------------------------------------------------------------------ shapes and schedule
     @property

@@ -121,11 +121,9 @@ class WanPolicy(Policy):
         if not isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler):
             self.scheduler = FlowMatchEulerDiscreteScheduler(shift=shift, num_train_timesteps=cfg.num_train_timesteps)
         self.temporal, self.spatial = pipeline.vae_scale_factor_temporal, pipeline.vae_scale_factor_spatial
-        patch = self.spatial * self.transformer.config.patch_size[1]
         native = 32 if self.config.pretrained is None else 480  # the twin's; Wan2.1-1.3B's 480p (square here)
         self.resolution = self.config.resolution or native
-        if self.resolution % patch:
-            raise ValueError(f"policy.resolution must be a multiple of {patch}, got {self.resolution}")
+        self.check_resolution(self.resolution, self.pixel_multiple(self.vae.config, self.transformer.config))
         frames = self.config.num_frames or (TINY_FRAMES if self.config.pretrained is None else 81)
         if (frames - 1) % self.temporal:
             raise ValueError(f"policy.num_frames must be {self.temporal} k + 1 (the VAE's temporal compression), "

@@ -113,13 +113,10 @@ class ZImagePolicy(Policy):
         self.text_encoders = nn.ModuleList([pipeline.text_encoder])
         self.vae_scale_factor = pipeline.vae_scale_factor
         self.patch_size = self.transformer.config.all_patch_size[0]
-        multiple = self.vae_scale_factor * self.patch_size
         # the VAE's sample size (the FLUX.1 VAE Z-Image ships: 1024; the twin's: 32); the pipeline's 1024 without one
         native = self.vae.config.get("sample_size") or 1024
         self.resolution = self.config.resolution or (native if isinstance(native, int) else native[0])
-        if self.resolution % multiple:
-            raise ValueError(f"policy.resolution must be a multiple of {multiple} (VAE factor x 2x2 patches), "
-                             f"got {self.resolution}")
+        self.check_resolution(self.resolution, self.pixel_multiple(self.vae.config, self.transformer.config))
 
     # ------------------------------------------------------------------ shapes and schedule
     @property
