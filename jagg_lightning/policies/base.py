@@ -324,6 +324,11 @@ class Policy(nn.Module):
         window straddles one. One network: none."""
         return ()
 
+    def sharded_networks(self) -> list[nn.Module]:
+        """The networks FSDP2 shards (each block, then the network; ``strategies.shard_policy``): the ones that
+        hold trainable weights. One transformer by default; Wan2.2 lists both experts."""
+        return [self.transformer]
+
     def extra_lora_modules(self) -> dict[str, nn.Module]:
         """Further adapted networks an export writes beside ``transformer`` (name -> module); none by default."""
         return {}

@@ -156,6 +156,10 @@ class WanPolicy(Policy):
     def lora_parameters(self) -> list[nn.Parameter]:
         return [p for m in self.experts for p in m.parameters() if p.requires_grad]
 
+    def sharded_networks(self) -> list[nn.Module]:
+        """FSDP2 shards every expert (each holds a LoRA): ``blocks`` of ``transformer`` and of ``transformer_2``."""
+        return self.experts
+
     def adapter_disabled(self):
         return _experts_adapter_disabled(self.experts)
 
