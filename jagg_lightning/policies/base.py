@@ -319,10 +319,19 @@ class Policy(nn.Module):
         finally:
             self.transformer.enable_adapters()
 
+    # the names of the networks a sampling step may run on, in expert-index order (Wan2.2: "high_noise",
+    # "low_noise"); empty for a family with one network. Per-expert statistics (``RoutingStats``) use them.
+    expert_names: tuple[str, ...] = ()
+
+    def expert_index(self, times: Tensor) -> list[int]:
+        """The expert (index into ``expert_names``) that runs at each of ``times`` (a step k at t_k). One network: 0."""
+        return [0] * len(times)
+
     def expert_starts(self, times: Tensor) -> tuple[int, ...]:
         """Sampling steps (times t_0..t_S) where another network takes over (Wan2.2's low-noise expert): no JAGG
         window straddles one. One network: none."""
-        return ()
+        experts = self.expert_index(times[:-1])
+        return tuple(k for k in range(1, len(experts)) if experts[k] != experts[k - 1])
 
     def sharded_networks(self) -> list[nn.Module]:
         """The networks FSDP2 shards (each block, then the network; ``strategies.shard_policy``): the ones that
