@@ -43,6 +43,9 @@ Contract details the engine relies on:
 * ``pipeline_class``: the diffusers pipeline class (``save_lora_weights`` / ``load_lora_weights``).
 * ``setup`` must set ``self.resolution`` (pixels; callbacks size their grids from it) and check it.
   Read guidance from ``self.config.guidance_scale`` at call time (evaluation changes it temporarily).
+* Several networks (Wan2.2's two experts): ``expert_names`` / ``expert_index(times)`` say which runs at each step
+  (windows are cut where it changes: ``expert_starts``; ``RoutingStats`` logs per expert), ``sharded_networks()``
+  lists what FSDP2 shards, ``extra_lora_modules()`` what the export writes beside ``transformer``.
 * Available to a family: ``self.config`` (the PolicyConfig), ``self._pipeline`` (kept outside the module
   tree, for its ``encode_prompt``), ``self.scheduler`` (a copy), ``self.lora_targets`` (effective).
 * Tests: add a ``FamilyCase`` to tests/families.py and tests/test_families.py runs on the new twin, or
