@@ -20,6 +20,7 @@ Not a test: run it by hand:
 
     python benchmarks/whole_step.py --model tiny --repeats 3
     python benchmarks/whole_step.py --model 14m --repeats 3 [--kl-beta 0.04]
+    python benchmarks/whole_step.py --model wan --only exact W=4 --repeats 3   # the video twin
 """
 
 from __future__ import annotations
@@ -58,6 +59,25 @@ def build_14m(path: Path) -> None:
         num_attention_heads=8, joint_attention_dim=32, caption_projection_dim=256, pooled_projection_dim=32,
         pos_embed_max_size=16,
     )
+    pipe.save_pretrained(path)
+
+
+# the video twin (--model wan): a Wan2.1-shaped pipeline whose transformer is large enough that the backward
+# dominates; its frames x tokens: 17 frames at 64 px -> 5 latent frames x 4 x 4 patches = 80 video tokens per sample
+WAN_FRAMES, WAN_RESOLUTION = 17, 64
+
+
+def build_wan(path: Path) -> None:
+    """The tiny Wan2.1 twin (UMT5, Wan VAE) with a 6.9M-parameter ``WanTransformer3DModel`` (6 blocks of width 256,
+    (1, 2, 2) patches) in its place."""
+    from diffusers import WanTransformer3DModel
+
+    from jagg_lightning.policies.wan import TINY_Z_DIM, build_tiny_wan_pipeline
+
+    pipe = build_tiny_wan_pipeline(0)
+    pipe.transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=64, in_channels=TINY_Z_DIM,
+        out_channels=TINY_Z_DIM, text_dim=16, freq_dim=64, ffn_dim=1024, num_layers=6, rope_max_seq_len=32)
     pipe.save_pretrained(path)
 
 
@@ -102,13 +122,20 @@ def child(args) -> None:
     from jagg_lightning.policies import PolicyConfig
 
     torch.set_num_threads(1)
+    video = args.model == "wan"
+    reward = "jpeg_compressibility"
+    if video:  # a video: the JPEG reward on three frames (first, middle, last), as configs/wan_tiny.yaml
+        from jagg_lightning.rewards import FrameReward
+
+        reward = FrameReward("jpeg_compressibility", frames=3)
     module = JAGGModule(
         PolicyConfig(pretrained=args.pretrained, guidance_scale=args.guidance, max_sequence_length=4,
-                     **({"trainable": "full"} if args.full else {"lora_rank": 8, "lora_alpha": 16})),
+                     **({"trainable": "full"} if args.full else {"lora_rank": 8, "lora_alpha": 16}),
+                     **({"family": "wan", "num_frames": WAN_FRAMES, "resolution": WAN_RESOLUTION} if video else {})),
         SamplingConfig(num_steps=args.steps + 1, group_size=args.samples // 2, rollout_batch_size=args.samples),
         GRPOConfig(train_batch_size=args.samples, kl_beta=args.kl_beta, adv_std="group"),  # as measured; fused needs it
         JAGGConfig(**({"window_size": 4} | (CONFIGS | KL_CONFIGS)[args.config] | {"fused_rollout": args.fused})),
-        reward="jpeg_compressibility",
+        reward=reward,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
     )
     module.configure_model()
@@ -167,7 +194,8 @@ def child(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=("tiny", "14m"), default="tiny")
+    parser.add_argument("--model", choices=("tiny", "14m", "wan"), default="tiny",
+                        help="wan: the video twin (Wan2.1-shaped, 17 frames at 64 px, a 6.9M-parameter transformer)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--samples", type=int, default=8, help="samples per step (2 prompts x samples/2)")
     parser.add_argument("--steps", type=int, default=16, help="trained steps (sampling steps - 1)")
@@ -185,16 +213,17 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         pretrained = None
-        if args.model == "14m":
-            pretrained = str(Path(tmp) / "sd3-14m")
-            build_14m(Path(pretrained))
+        if args.model in ("14m", "wan"):
+            pretrained = str(Path(tmp) / args.model)
+            (build_14m if args.model == "14m" else build_wan)(Path(pretrained))
         names = list(CONFIGS) + (list(KL_CONFIGS) if args.kl_beta > 0 else [])
         names = [n for n in names if args.only is None or n in args.only]
         runs = [(name, fused) for name in names for fused in (False, True)]
         results = {run: [] for run in runs}
         for _ in range(args.repeats):
             for name, fused in runs:
-                cmd = [sys.executable, __file__, "--config", name, "--samples", str(args.samples), "--steps",
+                cmd = [sys.executable, __file__, "--config", name, "--model", args.model, "--samples", str(args.samples),
+                       "--steps",
                        str(args.steps), "--guidance", str(args.guidance), "--kl-beta", str(args.kl_beta)]
                 cmd += ["--fused"] if fused else []
                 cmd += ["--full"] if args.full else []

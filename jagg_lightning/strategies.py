@@ -1,7 +1,8 @@
 """FSDP2 for JAGGModule: Lightning's ``ModelParallelStrategy`` set up for pure data parallelism.
 
 ``JAGGModule.configure_model`` applies ``fully_shard`` to every transformer block and then to the
-transformer (:func:`shard_transformer`): the frozen weights stay in the policy dtype, each LoRA weight
+transformer (:func:`shard_transformer`), for each network the policy lists (``Policy.sharded_networks()``: the
+transformer; both experts of Wan2.2): the frozen weights stay in the policy dtype, each LoRA weight
 is sharded with the block that holds it, the text encoders and the VAE stay whole on every rank.
 Gradients are reduce-scattered by FSDP2 at each backward (LoRA gradients only: the frozen weights
 have none), gradient clipping works on the sharded (DTensor) gradients, the KL reference switches the
@@ -111,15 +112,17 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 
 def shard_policy(policy, mesh, strategy=None) -> None:
-    """FSDP2 for a policy: its transformer (with ``trainable: full`` in mixed precision: float32 master shards,
+    """FSDP2 for a policy: each network it lists in ``Policy.sharded_networks()`` (its transformer; Wan2.2's two
+    experts) (with ``trainable: full`` in mixed precision: float32 master shards,
     compute in ``policy.dtype``), and the frozen reference copy of a full fine-tune sharded alike;
     ``strategy.cpu_offload`` (:class:`FSDP2Strategy`) adds FSDP2's CPU offload."""
     from jagg_lightning.full_finetune import fsdp_options
     from jagg_lightning.policies import DTYPES
 
     full = policy.config.trainable == "full"
-    shard_transformer(policy.transformer, mesh, **fsdp_options(DTYPES[policy.config.dtype],
-                                                               bool(getattr(strategy, "cpu_offload", False)), full))
+    options = fsdp_options(DTYPES[policy.config.dtype], bool(getattr(strategy, "cpu_offload", False)), full)
+    for network in policy.sharded_networks():  # the transformer; Wan2.2: both experts
+        shard_transformer(network, mesh, **options)
     reference = getattr(policy, "frozen_reference", None)
     if reference is not None:
         reference.shard(mesh, shard_transformer)

@@ -221,6 +221,41 @@ def test_jagg_never_runs_across_the_expert_switch(twin_dirs, rng_seed):
     assert [r.steps for r in module.window_records] == [(0, 1, 2), (3, 4, 5, 6)]
 
 
+def test_routing_stats_per_expert(twin_dirs, tmp_path, rng_seed):
+    """Wan2.2, 8 steps (switch at step 3), W = 3, everything routed: the high-noise expert's one window is routed
+    (3 backward passes -> 1), the low-noise expert's (3, 4, 5) routed and its tail (6) exact (4 -> 2); each
+    expert's values come from its own windows and records. Wan2.1 (one network) logs only ``routing/*``."""
+    from PIL import Image
+
+    from jagg_lightning.callbacks import RoutingStats
+
+    seed = rng_seed % 10_000
+    logged = {}
+    for twin in TWINS:
+        module = module_for(twin, twin_dirs[twin], seed, jagg_frac=1.0, window_size=3, num_steps=8)
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path / twin,
+                            callbacks=[RoutingStats(plot=TWINS[twin])])
+        trainer.fit(module, PromptDataModule(prompts=PROMPTS, batch_size=2, shuffle=False))
+        logged[twin] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("routing/")}
+    base = {"routed_share", "score_q10", "score_q50", "score_q90", "backward_saved", "backward_saved_frac"}
+    assert set(logged["wan21"]) == {f"routing/{k}" for k in base}
+    wan22 = logged["wan22"]
+    assert set(wan22) == {f"routing/{p}{k}" for p in ("", "high_noise/", "low_noise/") for k in base}
+    assert module.policy.expert_names == ("high_noise", "low_noise")
+    assert [(r.steps, r.routed, r.backwards) for r in module.window_records] == [
+        ((0, 1, 2), True, 1), ((3, 4, 5), True, 1), ((6,), False, 1)]
+    assert wan22["routing/high_noise/routed_share"] == 1.0 and wan22["routing/low_noise/routed_share"] == 0.5
+    assert wan22["routing/high_noise/backward_saved"] == 2.0 and wan22["routing/low_noise/backward_saved"] == 2.0
+    assert wan22["routing/backward_saved"] == 4.0
+    assert wan22["routing/high_noise/backward_saved_frac"] == pytest.approx(2 / 3)
+    assert wan22["routing/low_noise/backward_saved_frac"] == pytest.approx(2 / 4)
+    high = [r.score for r in module.window_records if r.steps[0] == 0]
+    assert wan22["routing/high_noise/score_q50"] == pytest.approx(high[0])
+    with Image.open(tmp_path / "wan22" / "routing.png") as img:
+        assert img.format == "PNG"
+
+
 @by_twin
 def test_jagg_fit_writes_adapters_wan_pipeline_loads(twin, twin_dirs, tmp_path, rng_seed):
     """`jagg fit` with configs/wan(22)_tiny.yaml on the saved twin; WanPipeline.load_lora_weights (Wan2.2: also

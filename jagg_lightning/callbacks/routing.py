@@ -16,7 +16,11 @@ from jagg_lightning.io import atomic_write
 class RoutingStats(L.Callback):
     """Logs ``routing/*`` every training step through ``pl_module.log`` (any Lightning logger) and
     writes ``routing.png`` (routing frequency per timestep, score distribution) at the end of fit, also sent
-    to every image-capable logger as ``routing``."""
+    to every image-capable logger as ``routing``.
+
+    A policy with several experts (``policy.expert_names``: Wan2.2's ``high_noise`` and ``low_noise``) also gets
+    ``routing/<expert>/*``, the same values over that expert's windows (``policy.expert_index`` maps a step to its
+    expert), and the plot's bars coloured by expert. One network: exactly the ``routing/*`` values."""
 
     def __init__(self, plot: bool = True):
         super().__init__()
@@ -40,19 +44,40 @@ class RoutingStats(L.Callback):
         self.steps_seen += 1
         exact = pl_module.exact_backwards  # one per trained step and update micro-batch
         made = sum(r.backwards for r in records)
+        values = self._values("routing", windows, exact, made)
+        names = pl_module.policy.expert_names
+        if len(names) > 1:  # a multi-expert policy (Wan2.2): the same values per expert
+            values |= self._per_expert(pl_module, names, windows, records, exact)
+        pl_module.log_dict(values, batch_size=1)
+
+    @staticmethod
+    def _values(prefix: str, windows, exact: float, made: float) -> dict[str, float]:
         scores = torch.tensor([w.score for w in windows if len(w.steps) > 2] or [0.0])
         q10, q50, q90 = torch.quantile(scores, torch.tensor([0.1, 0.5, 0.9])).tolist()
-        pl_module.log_dict(
-            {
-                "routing/routed_share": sum(w.routed for w in windows) / len(windows),
-                "routing/score_q10": q10,
-                "routing/score_q50": q50,
-                "routing/score_q90": q90,
-                "routing/backward_saved": float(exact - made),
-                "routing/backward_saved_frac": (exact - made) / max(exact, 1),
-            },
-            batch_size=1,
-        )
+        return {
+            f"{prefix}/routed_share": sum(w.routed for w in windows) / max(len(windows), 1),
+            f"{prefix}/score_q10": q10,
+            f"{prefix}/score_q50": q50,
+            f"{prefix}/score_q90": q90,
+            f"{prefix}/backward_saved": float(exact - made),
+            f"{prefix}/backward_saved_frac": (exact - made) / max(exact, 1),
+        }
+
+    def _per_expert(self, pl_module, names, windows, records, exact: int) -> dict[str, float]:
+        """``routing/<expert>/*`` for each expert that trained this step (a window never straddles two experts,
+        so its first step names its expert): exact GRPO's backward passes split by the expert's trained steps."""
+        times = pl_module.sampler.times
+        trained = list(pl_module.plan.trained_steps)
+        of_step = dict(zip(trained, pl_module.policy.expert_index(times[trained])))
+        values = {}
+        for e, name in enumerate(names):
+            share = sum(of_step[k] == e for k in trained)
+            if not share:
+                continue
+            mine = [w for w in windows if of_step[w.steps[0]] == e]
+            made = sum(r.backwards for r in records if of_step[r.steps[0]] == e)
+            values |= self._values(f"routing/{name}", mine, exact * share / len(trained), made)
+        return values
 
     def routing_frequency(self) -> torch.Tensor:
         """Share of training steps in which each trained step sat inside a routed window."""
@@ -65,10 +90,15 @@ class RoutingStats(L.Callback):
             return
         path = log_dir(trainer) / "routing.png"  # on every process (it broadcasts)
         if trainer.is_global_zero:
-            self.save_plot(path, pl_module.sampler.times[pl_module.trained_steps], trainer)
+            times = pl_module.sampler.times[pl_module.trained_steps]
+            policy = pl_module.policy
+            experts = policy.expert_index(times) if len(policy.expert_names) > 1 else None
+            self.save_plot(path, times, trainer, experts, policy.expert_names)
 
-    def save_plot(self, path: Path, times: torch.Tensor, trainer: L.Trainer | None = None) -> Path:
-        """Write the plot to ``path`` and, given a trainer, send it to its image-capable loggers as ``routing``."""
+    def save_plot(self, path: Path, times: torch.Tensor, trainer: L.Trainer | None = None,
+                  experts: list[int] | None = None, expert_names: tuple[str, ...] = ()) -> Path:
+        """Write the plot to ``path`` and, given a trainer, send it to its image-capable loggers as ``routing``;
+        ``experts``: each trained step's expert (index into ``expert_names``), to colour its bar."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -76,7 +106,14 @@ class RoutingStats(L.Callback):
 
         fig, (ax_freq, ax_score) = plt.subplots(1, 2, figsize=(10, 3.6))
         freq = self.routing_frequency()
-        ax_freq.bar(range(len(freq)), freq.numpy(), color="tab:blue")
+        if experts is None:
+            ax_freq.bar(range(len(freq)), freq.numpy(), color="tab:blue")
+        else:
+            palette = ["tab:blue", "tab:green", "tab:purple", "tab:red"]
+            for e, name in enumerate(expert_names):
+                at = [k for k, x in enumerate(experts) if x == e]
+                ax_freq.bar(at, freq[at].numpy(), color=palette[e % len(palette)], label=name)
+            ax_freq.legend(fontsize=7)
         ax_freq.set_xticks(range(len(freq)), [f"{float(t):.2f}" for t in times], rotation=60, fontsize=7)
         ax_freq.set(xlabel="trained step (t)", ylabel="share of steps routed to JAGG", ylim=(0, 1.05),
                     title="routing frequency per timestep")

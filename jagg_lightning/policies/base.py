@@ -43,6 +43,9 @@ Contract details the engine relies on:
 * ``pipeline_class``: the diffusers pipeline class (``save_lora_weights`` / ``load_lora_weights``).
 * ``setup`` must set ``self.resolution`` (pixels; callbacks size their grids from it) and check it.
   Read guidance from ``self.config.guidance_scale`` at call time (evaluation changes it temporarily).
+* Several networks (Wan2.2's two experts): ``expert_names`` / ``expert_index(times)`` say which runs at each step
+  (windows are cut where it changes: ``expert_starts``; ``RoutingStats`` logs per expert), ``sharded_networks()``
+  lists what FSDP2 shards, ``extra_lora_modules()`` what the export writes beside ``transformer``.
 * Available to a family: ``self.config`` (the PolicyConfig), ``self._pipeline`` (kept outside the module
   tree, for its ``encode_prompt``), ``self.scheduler`` (a copy), ``self.lora_targets`` (effective).
 * Tests: add a ``FamilyCase`` to tests/families.py and tests/test_families.py runs on the new twin, or
@@ -343,10 +346,24 @@ class Policy(nn.Module):
         if resolution % multiple:
             raise ValueError(f"policy.resolution must be a multiple of {multiple} ({why}), got {resolution}")
 
+    # the names of the networks a sampling step may run on, in expert-index order (Wan2.2: "high_noise",
+    # "low_noise"); empty for a family with one network. Per-expert statistics (``RoutingStats``) use them.
+    expert_names: tuple[str, ...] = ()
+
+    def expert_index(self, times: Tensor) -> list[int]:
+        """The expert (index into ``expert_names``) that runs at each of ``times`` (a step k at t_k). One network: 0."""
+        return [0] * len(times)
+
     def expert_starts(self, times: Tensor) -> tuple[int, ...]:
         """Sampling steps (times t_0..t_S) where another network takes over (Wan2.2's low-noise expert): no JAGG
         window straddles one. One network: none."""
-        return ()
+        experts = self.expert_index(times[:-1])
+        return tuple(k for k in range(1, len(experts)) if experts[k] != experts[k - 1])
+
+    def sharded_networks(self) -> list[nn.Module]:
+        """The networks FSDP2 shards (each block, then the network; ``strategies.shard_policy``): the ones that
+        hold trainable weights. One transformer by default; Wan2.2 lists both experts."""
+        return [self.transformer]
 
     def extra_lora_modules(self) -> dict[str, nn.Module]:
         """Further adapted networks an export writes beside ``transformer`` (name -> module); none by default."""

@@ -12,8 +12,10 @@ What the family looks like (all of it stays inside this file):
   ``v = v_u + w (v_c - v_u)`` (both branches in one batched forward; the pipeline runs two);
 * **experts** (Wan2.2 A14B): ``transformer`` for high noise, ``transformer_2`` for low noise; a sample at t uses
   ``transformer`` iff ``1000 t >= 1000 boundary_ratio`` (float32, as the pipeline compares its timesteps), with
-  ``guidance_scale`` resp. ``guidance_scale_2`` (None = the same). Both carry a LoRA. :meth:`WanPolicy.expert_starts`
-  tells the planner where the expert changes, so no JAGG window straddles the switch: interpolating the
+  ``guidance_scale`` resp. ``guidance_scale_2`` (None = the same). Both carry a LoRA and both are sharded under
+  FSDP2 (:meth:`WanPolicy.sharded_networks`). :meth:`WanPolicy.expert_index` maps a step to its expert
+  (``expert_names`` "high_noise", "low_noise": ``RoutingStats`` logs per expert); ``expert_starts`` tells the
+  planner where the expert changes, so no JAGG window straddles the switch: interpolating the
   Jacobians of two different networks has no meaning;
 * **times**: the flow-matching sigmas with Wan's ``flow_shift``: ``FlowMatchEulerDiscreteScheduler(shift=s)``
   at N steps, ``sigma = s u / (1 + (s - 1) u)`` on ``u = linspace(1, 1/1000, N)``, then 0. The released
@@ -145,14 +147,22 @@ class WanPolicy(Policy):
             return torch.ones(t.shape, dtype=torch.bool, device=t.device)
         return t.float() * 1000 >= self.boundary_ratio * 1000
 
-    def expert_starts(self, times: Tensor) -> tuple[int, ...]:
-        """Sampling steps where a new expert takes over (steps k with t_k the times): the planner cuts
-        windows there. Empty for Wan2.1."""
-        high = self.high_noise(times[:-1]).tolist()
-        return tuple(k for k in range(1, len(high)) if high[k] != high[k - 1])
+    @property
+    def expert_names(self) -> tuple[str, ...]:
+        """Wan2.2: ("high_noise", "low_noise") -- ``transformer``, ``transformer_2``; Wan2.1: none (one network)."""
+        return () if self.transformer_2 is None else ("high_noise", "low_noise")
+
+    def expert_index(self, times: Tensor) -> list[int]:
+        """0 (``transformer``) or 1 (``transformer_2``) at each time; ``expert_starts`` (where the planner cuts
+        windows) follows from it."""
+        return [0 if high else 1 for high in self.high_noise(times).tolist()]
 
     def lora_parameters(self) -> list[nn.Parameter]:
         return [p for m in self.experts for p in m.parameters() if p.requires_grad]
+
+    def sharded_networks(self) -> list[nn.Module]:
+        """FSDP2 shards every expert (each holds a LoRA): ``blocks`` of ``transformer`` and of ``transformer_2``."""
+        return self.experts
 
     def adapter_disabled(self):
         return _experts_adapter_disabled(self.experts)
