@@ -114,7 +114,7 @@ def test_ddp_and_fsdp2_equal_one_process_on_both_wan_twins(tmp_path, rng_seed):
             assert error < 1e-6, (twin, kind, error)
 
         # the FSDP2 checkpoint (gathered on rank 0) and the export hold every expert's trained LoRA
-        state = torch.load(tmp_path / f"{twin}_ckpt" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+        state = torch.load(tmp_path / f"{twin}_ckpt" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
         assert sorted(state) == names and all(torch.equal(state[n], fsdp[n]) for n in names)
         lora = tmp_path / f"{twin}_lora" / "final"
         for expert, suffix in (("transformer", ""), ("transformer_2", "_transformer_2"))[:1 + two]:
