@@ -14,7 +14,9 @@ An export directory holds
                                       at scale alpha/r (without the metadata diffusers assumes alpha = r)
     adapter.json                      the adapter's identity (family, base model, rank, alpha, targets)
     peft_<name>/ diffusers_<name>/    the same for each further adapted network of the policy
-                                      (``policy.extra_lora_modules()``: Wan2.2's ``transformer_2``)
+                                      (``policy.extra_lora_modules()``: Wan2.2's ``transformer_2``);
+                                      ``policy.adapter`` reads them back beside ``peft/`` / ``diffusers/``
+                                      (:func:`read_adapters`)
 
 Every export is built in a temporary directory and renamed into place: a crash never leaves half an adapter.
 """
@@ -124,13 +126,38 @@ def adapter_format(path: str | Path, field: str = "policy.adapter") -> tuple[str
                             "or diffusers/pytorch_lora_weights.safetensors, as LoRAExport writes them)")
 
 
+def adapter_files(path: str | Path, field: str = "policy.adapter") -> tuple[str, dict[str, Path]]:
+    """("peft" | "diffusers", {network: its weights file}) of an exported adapter: ``transformer``'s (the file
+    :func:`adapter_format` finds) and, where the folder sits in an export's layout (named ``peft`` or
+    ``diffusers``), each further network's from the sibling ``<kind>_<name>/`` (Wan2.2's ``transformer_2``)."""
+    kind, folder = adapter_format(path, field)
+    path = Path(path)
+    files = {"transformer": path if path.is_file() else folder / ADAPTER_WEIGHTS[kind]}
+    if folder.name == kind:
+        for sibling in sorted(folder.parent.glob(kind + "_*")):
+            if (sibling / ADAPTER_WEIGHTS[kind]).is_file():
+                files[sibling.name[len(kind) + 1:]] = sibling / ADAPTER_WEIGHTS[kind]
+    return kind, files
+
+
 def read_adapter(path: str | Path, field: str = "policy.adapter") -> tuple[dict, dict[str, torch.Tensor]]:
     """(its shape {"r", "lora_alpha", "target_modules"}, its weights named as :func:`lora_state_dict` names them)
-    of an exported adapter in PEFT or diffusers format (see :func:`adapter_format`)."""
+    of an exported adapter's ``transformer`` part in PEFT or diffusers format (see :func:`adapter_format`)."""
+    kind, files = adapter_files(path, field)
+    return read_lora_file(kind, files["transformer"], field)
+
+
+def read_adapters(path: str | Path, field: str = "policy.adapter") -> dict[str, tuple[dict, dict[str, torch.Tensor]]]:
+    """:func:`read_adapter` for every network the export holds (:func:`adapter_files`): {network: (shape, weights)}."""
+    kind, files = adapter_files(path, field)
+    return {name: read_lora_file(kind, file, field) for name, file in files.items()}
+
+
+def read_lora_file(kind: str, file: Path, field: str = "policy.adapter") -> tuple[dict, dict[str, torch.Tensor]]:
+    """One network's LoRA file (``peft``: with its ``adapter_config.json``; ``diffusers``: its metadata)."""
     from safetensors import safe_open
 
-    kind, folder = adapter_format(path, field)
-    file = folder / ADAPTER_WEIGHTS[kind]
+    folder = file.parent
     try:
         with safe_open(str(file), framework="pt") as f:
             metadata = f.metadata() or {}
@@ -139,6 +166,8 @@ def read_adapter(path: str | Path, field: str = "policy.adapter") -> tuple[dict,
         raise ValueError(f"{field}: cannot read {str(file)!r}: {type(err).__name__}: {err}") from None
     prefix = PEFT_KEY_PREFIX if kind == PEFT_DIR else "transformer."
     weights = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+    if not weights:
+        raise ValueError(f"{field}: {str(file)!r} holds no transformer LoRA weights")
     if kind == PEFT_DIR and (folder / "adapter_config.json").is_file():
         shape = json.loads((folder / "adapter_config.json").read_text())
     elif "lora_adapter_metadata" in metadata:  # what diffusers' save_lora_weights records
@@ -147,8 +176,6 @@ def read_adapter(path: str | Path, field: str = "policy.adapter") -> tuple[dict,
     else:  # no metadata: diffusers' own assumption, alpha = rank
         rank = next(v.shape[0] for k, v in weights.items() if "lora_A" in k)
         shape = {"r": rank, "lora_alpha": rank}
-    if not weights:
-        raise ValueError(f"{field}: {str(file)!r} holds no transformer LoRA weights")
     targets = shape.get("target_modules") or sorted({k.split(".lora_")[0] for k in weights})
     shape = {"r": int(shape["r"]), "lora_alpha": float(shape["lora_alpha"]),
              "target_modules": sorted(targets) if isinstance(targets, (list, tuple, set)) else targets}

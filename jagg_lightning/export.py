@@ -8,7 +8,8 @@ with an index above ``max_shard_size``), so ::
     transformer = <Family>Transformer.from_pretrained(dir)
     pipeline = <FamilyPipeline>.from_pretrained(base, transformer=transformer)
 
-load it. Under FSDP2 each weight is gathered from its shards one at a time (a collective: every rank calls
+load it (Wan2.2: ``save_transformer(policy, dir2, network="transformer_2")`` too, and ``transformer_2=`` given to
+the pipeline). Under FSDP2 each weight is gathered from its shards one at a time (a collective: every rank calls
 :func:`transformer_state_dict`) to the CPU and rank 0 writes. The weights are written in the compute dtype
 (``policy.dtype``): what the sharded forward computed with; ``dtype`` chooses another.
 """
@@ -48,20 +49,22 @@ def transformer_state_dict(transformer, dtype: torch.dtype | None = None) -> dic
 
 def save_transformer(policy, target: str | Path, weights: dict[str, torch.Tensor] | None = None,
                      dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
-                     step: int | None = None) -> Path:
-    """Write the policy's transformer under ``target`` (replaced atomically); ``weights`` from
-    :func:`transformer_state_dict` when gathered already (under FSDP2), else taken here."""
+                     step: int | None = None, network: str = "transformer") -> Path:
+    """Write the policy's transformer (or another trained network, ``policy.trained_networks()[network]``: Wan2.2's
+    ``transformer_2``) under ``target`` (replaced atomically); ``weights`` from :func:`transformer_state_dict`
+    when gathered already (under FSDP2), else taken here."""
     from huggingface_hub import save_torch_state_dict
 
     dtype = dtype or DTYPES[policy.config.dtype]
-    weights = transformer_state_dict(policy.transformer, dtype) if weights is None else weights
+    module = policy.trained_networks()[network]
+    weights = transformer_state_dict(module, dtype) if weights is None else weights
     target = Path(target)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    policy.transformer.save_config(tmp)
+    module.save_config(tmp)
     config = json.loads((tmp / "config.json").read_text())  # FSDP2 renames the class FSDP<Name>
-    config["_class_name"] = next(c.__name__ for c in type(policy.transformer).__mro__ if not c.__name__.startswith("FSDP"))
+    config["_class_name"] = next(c.__name__ for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_torch_state_dict(weights, tmp, filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size)
     identity = full_identity(policy) | {"dtype": str(dtype).removeprefix("torch.")}

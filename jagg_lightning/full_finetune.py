@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 TRAINABLE = ("lora", "full")
-LORA_ONLY = ("lora_rank", "lora_alpha", "lora_targets")
+LORA_ONLY = ("lora_rank", "lora_alpha", "lora_targets", "adapter")
 
 
 def check_trainable(config, config_class) -> None:

@@ -1,9 +1,10 @@
-"""The KL reference of a full fine-tune: a frozen copy of the initial transformer. Plain torch, no Lightning.
+"""The KL reference of a full fine-tune: a frozen copy of the initial transformer (of each trained network:
+Wan2.2's two experts). Plain torch, no Lightning.
 
 A LoRA policy's reference is its own transformer with the adapter off; a full fine-tune has no adapter to
 switch off, so it keeps a copy of the transformer as it was before training, in the compute dtype
 (``policy.dtype``), with no gradients. The copy lives outside the module tree (it is not trained, not
-checkpointed and not wrapped by DDP); ``Policy.adapter_disabled`` swaps it in for the transformer, so the
+checkpointed and not wrapped by DDP); ``Policy.adapter_disabled`` swaps each copy in for its network, so the
 reference forwards go through the family's own ``velocity`` and are counted where the LoRA ones are
 (``Sampler.reference_velocity`` -> ``train/passes/reference_forward``). Options:
 
@@ -25,57 +26,69 @@ from jagg_lightning.policies.base import DTYPES
 
 
 class FrozenReference:
-    """The frozen copy and where it waits between uses (a plain object: not a submodule of anything)."""
+    """The frozen copies of the trained networks (``Policy.trained_networks()``: the transformer; Wan2.2's two
+    experts) and where they wait between uses (a plain object: not a submodule of anything)."""
 
-    def __init__(self, transformer: nn.Module, dtype: torch.dtype, offload: bool):
-        hooks = transformer._forward_pre_hooks
-        transformer._forward_pre_hooks = type(hooks)()  # the copy runs in its own dtype: no up-cast hook
-        try:
-            self.transformer = copy.deepcopy(transformer)
-        finally:
-            transformer._forward_pre_hooks = hooks
-        nn.Module.to(self.transformer.requires_grad_(False).eval(), dtype)
+    def __init__(self, networks: dict[str, nn.Module], dtype: torch.dtype, offload: bool):
+        self.networks = {name: _frozen_copy(network, dtype) for name, network in networks.items()}
         self.offload, self.sharded = offload, False
 
+    @property
+    def transformer(self) -> nn.Module:
+        return self.networks["transformer"]
+
     def shard(self, mesh, shard_fn) -> None:
-        """Shard like the policy (``shard_fn(transformer, mesh, **fully_shard options)``)."""
+        """Shard like the policy (``shard_fn(network, mesh, **fully_shard options)``)."""
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        shard_fn(self.transformer, mesh, **({"offload_policy": CPUOffloadPolicy(pin_memory=False)}
-                                            if self.offload else {}))
+        for network in self.networks.values():
+            shard_fn(network, mesh, **({"offload_policy": CPUOffloadPolicy(pin_memory=False)} if self.offload else {}))
         self.sharded = True
 
     def parameters(self):
-        return self.transformer.parameters()
+        return (p for network in self.networks.values() for p in network.parameters())
+
+
+def _frozen_copy(network: nn.Module, dtype: torch.dtype) -> nn.Module:
+    hooks = network._forward_pre_hooks
+    network._forward_pre_hooks = type(hooks)()  # the copy runs in its own dtype: no up-cast hook
+    try:
+        copied = copy.deepcopy(network)
+    finally:
+        network._forward_pre_hooks = hooks
+    return nn.Module.to(copied.requires_grad_(False).eval(), dtype)
 
 
 def attach_reference(policy, kl_beta: float) -> FrozenReference | None:
     """A full fine-tune with kl_beta > 0 gets its frozen reference (a LoRA policy or kl_beta = 0: none)."""
     if policy.config.trainable != "full" or kl_beta == 0:
         return None
-    reference = FrozenReference(policy.transformer, DTYPES[policy.config.dtype], policy.config.reference_offload)
+    reference = FrozenReference(policy.trained_networks(), DTYPES[policy.config.dtype], policy.config.reference_offload)
     object.__setattr__(policy, "frozen_reference", reference)
     return reference
 
 
 @contextmanager
 def reference_applied(policy):
-    """Inside the block ``policy.transformer`` is the frozen reference copy."""
+    """Inside the block each trained network (``policy.transformer``; Wan2.2: also ``transformer_2``) is its
+    frozen reference copy."""
     reference: FrozenReference | None = getattr(policy, "frozen_reference", None)
     if reference is None:
         raise RuntimeError("policy.trainable 'full' keeps a frozen reference copy only with grpo.kl_beta > 0: there "
                            "are no initial weights to sample with")
-    trained = policy._modules["transformer"]
+    trained = {name: policy._modules[name] for name in reference.networks}
     if not reference.sharded:  # unsharded: fetch it to where the policy computes
-        device = next(trained.parameters()).device
-        if next(reference.parameters()).device != device:
-            reference.transformer.to(device)
-    policy._modules["transformer"] = reference.transformer
+        device = next(trained["transformer"].parameters()).device
+        for network in reference.networks.values():
+            if next(network.parameters()).device != device:
+                network.to(device)
+    policy._modules.update(reference.networks)
     try:
         yield
     finally:
-        policy._modules["transformer"] = trained
-        if reference.sharded:  # FSDP2 keeps a root's parameters gathered after forward, for a backward that
-            reference.transformer.reshard()  # a reference never makes: free them
-        elif reference.offload:
-            reference.transformer.to("cpu")
+        policy._modules.update(trained)
+        for network in reference.networks.values():
+            if reference.sharded:  # FSDP2 keeps a root's parameters gathered after forward, for a backward that
+                network.reshard()  # a reference never makes: free them
+            elif reference.offload:
+                network.to("cpu")

@@ -16,8 +16,8 @@ __all__ = ["LoRAExport", "export_lora", "lora_state_dict"]
 
 class LoRAExport(L.Callback):
     """Export the adapter at every checkpoint save and at the end of fit (EMA weights when enabled); with
-    ``policy.trainable: full`` the whole transformer instead, as ``<dir>/<last|final>/transformer``
-    (:mod:`jagg_lightning.export`).
+    ``policy.trainable: full`` the whole transformer instead, as ``<dir>/<last|final>/transformer`` (Wan2.2: and
+    ``<dir>/<last|final>/transformer_2``; :mod:`jagg_lightning.export`).
 
     dirpath: where to write; None = ``<trainer.default_root_dir>/lora``. Holds ``last/`` (updated at
     every checkpoint) and ``final/`` (end of fit).
@@ -34,10 +34,15 @@ class LoRAExport(L.Callback):
         if pl_module.policy.config.trainable == "full":  # no adapter: the consolidated transformer (export.py)
             from jagg_lightning.export import DTYPES, save_transformer, transformer_state_dict
 
-            with pl_module.inference_weights():
-                weights = transformer_state_dict(pl_module.policy.transformer, DTYPES[pl_module.policy.config.dtype])
-            return save_transformer(pl_module.policy, self._root(trainer) / name / "transformer", weights,
-                                    step=trainer.global_step) if trainer.is_global_zero else None
+            policy, dtype = pl_module.policy, DTYPES[pl_module.policy.config.dtype]
+            for network, module in policy.trained_networks().items():  # Wan2.2: transformer, then transformer_2
+                with pl_module.inference_weights():
+                    weights = transformer_state_dict(module, dtype)  # every rank: FSDP2 gathers its shards
+                if trainer.is_global_zero:
+                    save_transformer(policy, self._root(trainer) / name / network, weights, step=trainer.global_step,
+                                     network=network)
+                del weights  # one network's whole copy in host memory at a time
+            return self._root(trainer) / name / "transformer" if trainer.is_global_zero else None
         with pl_module.inference_weights():
             weights = lora_state_dict(pl_module.policy.transformer)  # every rank: FSDP2 gathers its shards
             extra = {n: lora_state_dict(m) for n, m in pl_module.policy.extra_lora_modules().items()}  # Wan2.2

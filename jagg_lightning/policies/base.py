@@ -45,7 +45,9 @@ Contract details the engine relies on:
   Read guidance from ``self.config.guidance_scale`` at call time (evaluation changes it temporarily).
 * Several networks (Wan2.2's two experts): ``expert_names`` / ``expert_index(times)`` say which runs at each step
   (windows are cut where it changes: ``expert_starts``; ``RoutingStats`` logs per expert), ``sharded_networks()``
-  lists what FSDP2 shards, ``extra_lora_modules()`` what the export writes beside ``transformer``.
+  lists what FSDP2 shards, ``extra_lora_modules()`` what the export writes beside ``transformer``; both follow
+  from ``trained_networks()`` (attribute name -> network: each gets a LoRA or trains in full, a KL reference copy,
+  and its part of ``policy.adapter``).
 * Available to a family: ``self.config`` (the PolicyConfig), ``self._pipeline`` (kept outside the module
   tree, for its ``encode_prompt``), ``self.scheduler`` (a copy), ``self.lora_targets`` (effective).
 * Tests: add a ``FamilyCase`` to tests/families.py and tests/test_families.py runs on the new twin, or
@@ -91,15 +93,16 @@ class PolicyConfig:
     dtype: dtype of the frozen weights; LoRA weights and SDE math stay float32 (float64 if chosen).
     gradient_checkpointing: recompute each transformer block's activations in backward (diffusers'
         non-reentrant checkpointing): less activation memory, about one extra block forward per backward.
-    trainable: "lora" (a peft LoRA on the frozen transformer) or "full" (every transformer weight trained,
-        float32 master weights; ``dtype`` is then the compute dtype, see docs/full_finetuning.md).
+    trainable: "lora" (a peft LoRA on the frozen transformer) or "full" (every transformer weight trained, Wan2.2's
+        two experts' both; float32 master weights; ``dtype`` is then the compute dtype, see docs/full_finetuning.md).
     trainable_modules: with "full", module-name patterns (a name, a dotted suffix of one, or an fnmatch
         pattern) to train only those modules in full; null = every weight. Each must match some module.
     reference_offload: with "full" and kl_beta > 0, keep the frozen KL reference copy on the CPU between uses.
     num_frames: video families only (Wan): frames per video, 4 k + 1; None = the family's default.
     guidance_scale_2: two-expert video families only (Wan2.2): the low-noise expert's CFG; None = guidance_scale.
     adapter: an exported LoRA (``LoRAExport``'s folder, its ``peft/`` or ``diffusers/`` part) to start from:
-        its rank, alpha and targets replace lora_rank / lora_alpha / lora_targets (evaluate, sample or train on).
+        its rank, alpha and targets replace lora_rank / lora_alpha / lora_targets (evaluate, sample or train on);
+        Wan2.2: ``transformer_2`` loads the ``peft_transformer_2/`` or ``diffusers_transformer_2/`` part beside it.
 
     Local paths (``pretrained``, ``adapter``) are found from any directory (:mod:`jagg_lightning.assets`:
     ``pretrained: digits`` is the shipped test bed); a missing one fails here, naming the field.
@@ -170,6 +173,25 @@ class PolicyConfig:
         check_resolution_in_folder(self)
 
 
+def add_lora(policy, network: nn.Module, shape: dict, seed: int, dtype: torch.dtype) -> None:
+    """A peft LoRA of ``shape`` ({"r", "lora_alpha", "target_modules"}) on ``network``, gaussian A (seeded), B = 0,
+    its weights float32 (float64 with float64)."""
+    from diffusers.training_utils import cast_training_params
+    from peft import LoraConfig
+
+    targets = shape["target_modules"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            network.add_adapter(LoraConfig(r=shape["r"], lora_alpha=shape["lora_alpha"], init_lora_weights="gaussian",
+                                           target_modules=targets))
+        except ValueError:  # peft's NoMatchingPeftModuleError and its kin
+            names = [n for n, m in network.named_modules() if isinstance(m, nn.Linear)]
+            raise PolicyBuildError(f"policy.lora_targets {targets!r} match no layer of the {policy.family} "
+                                   f"transformer (its layers are named like {', '.join(names[-3:])})") from None
+    cast_training_params(network, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+
+
 class PolicyBuildError(ValueError):
     """A configuration value that only the model can refute (LoRA targets, an adapter that does not fit): the
     CLI shows it as one ``jagg: error:`` line."""
@@ -184,9 +206,6 @@ class Policy(nn.Module):
 
     def __init__(self, config: PolicyConfig | None = None, pipeline=None):
         super().__init__()
-        from diffusers.training_utils import cast_training_params
-        from peft import LoraConfig
-
         self.config = config = config or PolicyConfig(family=self.family)
         dtype = DTYPES[config.dtype]
         if pipeline is None:
@@ -204,47 +223,44 @@ class Policy(nn.Module):
         for module in self.frozen_modules():
             module.requires_grad_(False)
             module.eval()
-        if config.trainable == "full":  # no adapter: (a subset of) the transformer's own weights, float32 masters
+        networks = self.trained_networks()
+        if config.trainable == "full":  # no adapter: (a subset of) the networks' own weights, float32 masters
             from jagg_lightning.full_finetune import make_trainable
 
             self.lora_targets, self.frozen_reference = [], None
-            make_trainable(self.transformer, config.trainable_modules, dtype)
+            for network in networks.values():
+                make_trainable(network, config.trainable_modules, dtype)
             return
         # the effective peft target_modules (the family's default when policy.lora_targets is null)
-        self.lora_targets = targets = list(config.lora_targets if config.lora_targets is not None
-                                           else self.default_lora_targets)
-        rank, alpha, adapter = config.lora_rank, config.lora_alpha, None
-        if config.adapter is not None:  # an exported adapter: its own shape, then its weights
-            adapter = self._read_adapter(config.adapter)
-            rank, alpha, self.lora_targets = adapter[0]["r"], adapter[0]["lora_alpha"], adapter[0]["target_modules"]
-            targets = self.lora_targets
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed + 1)
-            try:
-                self.transformer.add_adapter(
-                    LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
-            except ValueError as err:  # peft's NoMatchingPeftModuleError and its kin
-                names = [n for n, m in self.transformer.named_modules() if isinstance(m, nn.Linear)]
-                raise PolicyBuildError(f"policy.lora_targets {targets!r} match no layer of the {self.family} "
-                                       f"transformer (its layers are named like {', '.join(names[-3:])})") from None
-        cast_training_params(self.transformer, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-        if adapter is not None:
-            from jagg_lightning.adapters import load_adapter_weights
+        self.lora_targets = list(config.lora_targets if config.lora_targets is not None else self.default_lora_targets)
+        shape = {"r": config.lora_rank, "lora_alpha": config.lora_alpha, "target_modules": self.lora_targets}
+        adapters = self._read_adapters(config.adapter, networks) if config.adapter is not None else {}
+        if adapters:  # an exported adapter: each network's own shape, then its weights
+            self.lora_targets = adapters["transformer"][0]["target_modules"]
+        for i, (name, network) in enumerate(networks.items()):  # seed + 1 for transformer, + 2 for transformer_2
+            add_lora(self, network, adapters[name][0] if adapters else shape, config.seed + 1 + i, dtype)
+            if adapters:
+                from jagg_lightning.adapters import load_adapter_weights
 
-            try:
-                load_adapter_weights(self.transformer, adapter[1])
-            except ValueError as err:
-                raise PolicyBuildError(str(err)) from None
+                try:
+                    load_adapter_weights(network, adapters[name][1])
+                except ValueError as err:
+                    raise PolicyBuildError(str(err) if name == "transformer" else f"{err} [{name}]") from None
 
-    @staticmethod
-    def _read_adapter(path: str):
-        from jagg_lightning.adapters import read_adapter
+    def _read_adapters(self, path: str, networks: dict[str, nn.Module]) -> dict:
+        """``policy.adapter``: {network: (shape, weights)} for exactly the networks this policy trains."""
+        from jagg_lightning.adapters import read_adapters
         from jagg_lightning.assets import find_local
 
         try:
-            return read_adapter(find_local(path) or path)
+            adapters = read_adapters(find_local(path) or path)
         except (ValueError, FileNotFoundError) as err:
             raise PolicyBuildError(str(err)) from None
+        if set(adapters) != set(networks):
+            raise PolicyBuildError(
+                f"policy.adapter: {path!r} holds a LoRA for {sorted(adapters)} but this {self.family} model adapts "
+                f"{sorted(networks)}{self.adapter_mismatch_hint}")
+        return adapters
 
     # ------------------------------------------------------------------ what a family writes
     @classmethod
@@ -360,14 +376,21 @@ class Policy(nn.Module):
         experts = self.expert_index(times[:-1])
         return tuple(k for k in range(1, len(experts)) if experts[k] != experts[k - 1])
 
+    def trained_networks(self) -> dict[str, nn.Module]:
+        """The networks that train (attribute name -> module; each gets a LoRA, or trains in full): ``transformer``.
+        Wan2.2 adds ``transformer_2``. The KL reference, FSDP2, the exports and ``policy.adapter`` cover each."""
+        return {"transformer": self.transformer}
+
+    # appended to the error of a ``policy.adapter`` made for other networks (Wan: Wan2.2's two experts vs Wan2.1's one)
+    adapter_mismatch_hint: str = ""
+
     def sharded_networks(self) -> list[nn.Module]:
-        """The networks FSDP2 shards (each block, then the network; ``strategies.shard_policy``): the ones that
-        hold trainable weights. One transformer by default; Wan2.2 lists both experts."""
-        return [self.transformer]
+        """The networks FSDP2 shards (each block, then the network; ``strategies.shard_policy``): the trained ones."""
+        return list(self.trained_networks().values())
 
     def extra_lora_modules(self) -> dict[str, nn.Module]:
-        """Further adapted networks an export writes beside ``transformer`` (name -> module); none by default."""
-        return {}
+        """Further adapted networks an export writes beside ``transformer`` (name -> module): the trained ones but it."""
+        return {n: m for n, m in self.trained_networks().items() if n != "transformer"}
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute the transformer blocks' activations in backward (diffusers' own switch)."""

@@ -12,8 +12,9 @@ What the family looks like (all of it stays inside this file):
   ``v = v_u + w (v_c - v_u)`` (both branches in one batched forward; the pipeline runs two);
 * **experts** (Wan2.2 A14B): ``transformer`` for high noise, ``transformer_2`` for low noise; a sample at t uses
   ``transformer`` iff ``1000 t >= 1000 boundary_ratio`` (float32, as the pipeline compares its timesteps), with
-  ``guidance_scale`` resp. ``guidance_scale_2`` (None = the same). Both carry a LoRA and both are sharded under
-  FSDP2 (:meth:`WanPolicy.sharded_networks`). :meth:`WanPolicy.expert_index` maps a step to its expert
+  ``guidance_scale`` resp. ``guidance_scale_2`` (None = the same). Both carry a LoRA (``trainable: full``: both
+  train in full, each with its frozen KL reference copy), both are sharded under FSDP2 and both are exported
+  (:meth:`WanPolicy.trained_networks`). :meth:`WanPolicy.expert_index` maps a step to its expert
   (``expert_names`` "high_noise", "low_noise": ``RoutingStats`` logs per expert); ``expert_starts`` tells the
   planner where the expert changes, so no JAGG window straddles the switch: interpolating the
   Jacobians of two different networks has no meaning;
@@ -77,7 +78,8 @@ def build_tiny_wan_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32, t
 
 
 class WanPolicy(Policy):
-    """Frozen Wan parts plus a trainable peft LoRA on each expert (see the module docstring).
+    """Frozen Wan parts plus a trainable peft LoRA on each expert, or each expert trained in full (see the module
+    docstring).
 
     ``policy.num_frames`` (default 81, the twin's 9) must be 4 k + 1; ``policy.guidance_scale_2`` is the
     low-noise expert's CFG scale (Wan2.2; None = ``guidance_scale``).
@@ -86,20 +88,9 @@ class WanPolicy(Policy):
     family = "wan"
     pipeline_class_name = "WanPipeline"
     default_lora_targets = WAN_LORA_TARGETS
-
-    def __init__(self, config=None, pipeline=None):
-        super().__init__(config, pipeline)
-        if self.transformer_2 is not None:  # the low-noise expert: its own LoRA, same shape, its own init
-            from diffusers.training_utils import cast_training_params
-            from peft import LoraConfig
-
-            cfg = self.config
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(cfg.seed + 2)
-                self.transformer_2.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                                                          init_lora_weights="gaussian", target_modules=self.lora_targets))
-            low = self.transformer.dtype == torch.float64
-            cast_training_params(self.transformer_2, dtype=torch.float64 if low else torch.float32)
+    adapter_mismatch_hint = (" (a Wan2.2 adapter holds one LoRA per expert, transformer and transformer_2: "
+                             "peft_transformer_2/ or diffusers_transformer_2/ beside peft/ or diffusers/; a Wan2.1 "
+                             "model has one transformer)")
 
     @classmethod
     def build_tiny_pipeline(cls, seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -160,21 +151,23 @@ class WanPolicy(Policy):
     def lora_parameters(self) -> list[nn.Parameter]:
         return [p for m in self.experts for p in m.parameters() if p.requires_grad]
 
-    def sharded_networks(self) -> list[nn.Module]:
-        """FSDP2 shards every expert (each holds a LoRA): ``blocks`` of ``transformer`` and of ``transformer_2``."""
-        return self.experts
+    trainable_parameters = lora_parameters
+
+    def trained_networks(self) -> dict[str, nn.Module]:
+        """Both experts train (a LoRA each, or in full): FSDP2 shards both, the KL reference covers both, the
+        export writes ``transformer_2`` beside ``transformer`` (loaded by ``WanPipeline.load_lora_weights(dir,
+        load_into_transformer_2=True)``; a full export: ``WanPipeline.from_pretrained(base, transformer_2=...)``)."""
+        low = {} if self.transformer_2 is None else {"transformer_2": self.transformer_2}
+        return {"transformer": self.transformer} | low
 
     def adapter_disabled(self):
+        if self.config.trainable == "full":  # the frozen copies of both experts (reference.py)
+            return super().adapter_disabled()
         return _experts_adapter_disabled(self.experts)
 
     def enable_gradient_checkpointing(self) -> None:
         for m in self.experts:
             m.enable_gradient_checkpointing()
-
-    def extra_lora_modules(self) -> dict[str, nn.Module]:
-        """Adapters beside ``transformer``'s that an export writes: ``transformer_2`` (loaded by
-        ``WanPipeline.load_lora_weights(dir, load_into_transformer_2=True)``)."""
-        return {} if self.transformer_2 is None else {"transformer_2": self.transformer_2}
 
     # ------------------------------------------------------------------ shapes and schedule
     @property
