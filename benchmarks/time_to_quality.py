@@ -372,6 +372,9 @@ def main(argv=None):
     p.add_argument("--extended", default=None, help="with --replot: a JSON of longer runs of a setting, same seeds")
     args = p.parse_args(argv)
     result = load_runs(args.replot) if args.replot else run(args)
+    if not any(r["setting"] == "exact" for r in result["runs"]):
+        print("no 'exact' runs to compare with: --replot this JSON with one that has them (or routing_study.py)")
+        return
     summary = summarise(result)
     if args.extended:
         summary["extended"] = extended_time_to_quality(result, json.loads(Path(args.extended).read_text()))
