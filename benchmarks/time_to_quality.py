@@ -11,11 +11,15 @@ optimizer steps; seed-major, settings interleaved, so a stopped study has whole 
   judge (``jagg_lightning.testbed.judge``), on the same images.
 
 Settings (``SETTINGS``): exact (jagg_frac 0), JAGG W = 4 unfused and fused (the one window of 4 trained
-steps routed), and 8 trained steps with W = 4 (two routed windows) next to exact on those 8 steps.
-The JSON is rewritten after every run; ``--replot`` summarises, plots and prints a saved one again:
+steps routed), and 8 trained steps with W = 4 (two routed windows) next to exact on those 8 steps ("T=8 exact").
+Per step the run also records which windows were routed, their scores and the passes made.
+The routing comparison (``ROUTING``: 8 trained steps, W = 3 chained, jagg_frac 0.5, residual / cosine / random
+routing) is summarised by benchmarks/routing_study.py. The JSON (``--name``) is rewritten after every run;
+``--replot`` summarises, plots and prints saved ones again (their runs merged):
 
     OMP_NUM_THREADS=1 python benchmarks/time_to_quality.py --seeds 0 1 2 3 4 --steps 60
     python benchmarks/time_to_quality.py --replot benchmarks/results/time_to_quality.json \
+        benchmarks/results/time_to_quality_t8_a.json \
         [--extended benchmarks/results/time_to_quality_fused80.json]   # longer runs of one setting, same seeds
 """
 
@@ -41,7 +45,14 @@ SETTINGS = {
     "W=4 fused": ({}, dict(window_size=4, jagg_frac=1.0, fused_rollout=True)),
     "T=8 W=4 (2 windows)": (dict(trained_steps=8), dict(window_size=4, jagg_frac=1.0)),
     "T=8 exact": (dict(trained_steps=8), dict(jagg_frac=0.0)),
+    # routing that pays (deliverable 3): 8 trained steps, W = 3 chained = windows (0,1,2) (2,3,4) (4,5,6) and the
+    # exact tail (6,7); jagg_frac 0.5 routes round(1.5) = 2 of the 3 full windows, so half the windows are routed
+    # and every rule saves the same 2 interior passes (chained W = 3 windows share no interior): equal passes
+    **{f"T=8 W=3 chained, {rule}": (dict(trained_steps=8), dict(window_size=3, chained=True, jagg_frac=0.5,
+                                                                   routing=rule))
+       for rule in ("residual", "cosine", "random")},
 }
+ROUTING = [n for n in SETTINGS if n.startswith("T=8 W=3 chained")]
 
 # The cost model of docs/method.md §7 per training step, in units of one forward F over the rollout
 # (S = 10 sampling steps; B = 1.2 F with LoRA only; decode, reward and optimizer neglected, F_g = F):
@@ -52,12 +63,12 @@ B_OVER_F = 1.2
 
 def model_cost(name: str) -> float:
     S, f, b = 10, 1.0, B_OVER_F
-    return {"exact": S + 4 * (f + b), "W=4": S + 2 * (f + b), "W=4 fused": S + 2 * b,
-            "T=8 W=4 (2 windows)": S + 4 * (f + b), "T=8 exact": S + 8 * (f + b)}[name]
+    return S + backward_passes(name) * (f + b) - (2 * f if name == "W=4 fused" else 0)
 
 
 def backward_passes(name: str) -> int:
-    return {"exact": 4, "W=4": 2, "W=4 fused": 2, "T=8 W=4 (2 windows)": 4, "T=8 exact": 8}[name]
+    """Pass steps per sample and training step (a batched anchor pair counts 2)."""
+    return {"exact": 4, "W=4": 2, "W=4 fused": 2, "T=8 W=4 (2 windows)": 4, "T=8 exact": 8}.get(name, 6)
 
 
 class Recorder(L.Callback):
@@ -67,6 +78,7 @@ class Recorder(L.Callback):
         self.reward, self.judge, self.prompts, self.samples, self.seed, self.every = (reward, judge, prompts,
                                                                                        samples, seed, every)
         self.train_reward, self.cpu, self.evals, self._cpu = [], [], [], 0.0
+        self.routed, self.scores, self.passes = [], [], []  # per step: which windows were routed, their scores
 
     def evaluate(self, trainer, module):
         from jagg_lightning.testbed.evaluate import heldout_accuracy
@@ -85,6 +97,10 @@ class Recorder(L.Callback):
         self._cpu += time.process_time() - self._c0
         self.cpu.append(self._cpu)
         self.train_reward.append(float(trainer.callback_metrics["train/reward_mean"]))
+        self.routed.append([w.routed for w in module.windows])
+        self.scores.append([w.score for w in module.windows])
+        self.passes.append({k: float(trainer.callback_metrics[f"train/passes/{k}"]) for k in ("backward", "grad_forward")
+                            if f"train/passes/{k}" in trainer.callback_metrics})
         if trainer.global_step % self.every == 0:
             self.evaluate(trainer, module)
 
@@ -108,7 +124,7 @@ def one_run(args, base_cfg: dict, name: str, seed: int, prompts, reward, judge, 
     if rec.evals[-1]["step"] != trainer.global_step:
         rec.evaluate(trainer, module)
     return {"seed": seed, "setting": name, "sampling": sampling, "jagg": jagg, "train_reward": rec.train_reward,
-            "cpu": rec.cpu, "evals": rec.evals}
+            "cpu": rec.cpu, "evals": rec.evals, "routed": rec.routed, "scores": rec.scores, "passes": rec.passes}
 
 
 def run(args) -> dict:
@@ -119,10 +135,10 @@ def run(args) -> dict:
 
     torch.set_num_threads(1)
     base_cfg = yaml.safe_load(Path(args.config).read_text())
-    prompts = read_prompts(ROOT / base_cfg["data"]["prompts_file"])
+    prompts = read_prompts(base_cfg["data"]["prompts_file"])  # a shipped name or a path (jagg_lightning.assets)
     reward, judge = DigitReward(), load_judge()
     eval_prompts = digit_prompts(HELDOUT_TEMPLATES)
-    out = Path(args.out) / "time_to_quality.json"
+    out = Path(args.out) / args.name
     result = json.loads(out.read_text()) if args.resume and out.exists() else {"runs": []}
     result.update({"args": vars(args), "settings": {k: list(v) for k, v in SETTINGS.items()},
                    "torch": torch.__version__, "threads": torch.get_num_threads()})
@@ -172,9 +188,23 @@ def summary_curve(by: dict, seeds, name: str, key: str) -> list[float]:
     return [sum(r["evals"][i][key] for r in rs) / len(rs) for i in range(min(len(r["evals"]) for r in rs))]
 
 
+def load_runs(paths) -> dict:
+    """The runs of several saved JSONs in one result (the first file's other keys); a (seed, setting) run that
+    is in two files is taken from the first."""
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    merged, seen = dict(results[0], runs=[]), set()
+    for res in results:
+        for r in res["runs"]:
+            if (r["seed"], r["setting"]) not in seen:
+                seen.add((r["seed"], r["setting"]))
+                merged["runs"].append(r)
+    return merged
+
+
 def summarise(result: dict) -> dict:
+    """Every setting but the routing comparison (benchmarks/routing_study.py) against exact on its seeds."""
     runs = result["runs"]
-    names = [n for n in SETTINGS if any(r["setting"] == n for r in runs)]
+    names = [n for n in SETTINGS if n not in ROUTING and any(r["setting"] == n for r in runs)]
     by = {(r["seed"], r["setting"]): r for r in runs}
     seeds = sorted({s for s, n in by if n == "exact"})  # each setting: the seeds it shares with exact
     keys = ("accuracy", "reward", "judge_accuracy", "judge_agreement")
@@ -335,11 +365,16 @@ def main(argv=None):
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-samples", type=int, default=8, help="samples per held-out prompt (30 prompts)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--name", default="time_to_quality.json", help="the raw JSON's file name under --out")
     p.add_argument("--resume", action="store_true", help="keep the runs already in the JSON, do the rest")
-    p.add_argument("--replot", default=None)
+    p.add_argument("--replot", nargs="+", default=None, help="saved JSONs (their runs merged; a repeated run is "
+                   "taken from the first file)")
     p.add_argument("--extended", default=None, help="with --replot: a JSON of longer runs of a setting, same seeds")
     args = p.parse_args(argv)
-    result = json.loads(Path(args.replot).read_text()) if args.replot else run(args)
+    result = load_runs(args.replot) if args.replot else run(args)
+    if not any(r["setting"] == "exact" for r in result["runs"]):
+        print("no 'exact' runs to compare with: --replot this JSON with one that has them (or routing_study.py)")
+        return
     summary = summarise(result)
     if args.extended:
         summary["extended"] = extended_time_to_quality(result, json.loads(Path(args.extended).read_text()))

@@ -18,9 +18,18 @@ from jagg_lightning.jagg import ROUTING_SCORES
 from jagg_lightning.sde import CPS_LOG_PROBS
 
 
+ESTIMATORS = ("paper", "control_variate")
+
+
 def check(ok: bool, name: str, allowed: str, value) -> None:
     if not ok:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def one_of(names) -> str:
+    """'a', 'b' or 'c'."""
+    names = [repr(n) for n in names]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 @dataclass
@@ -169,8 +178,12 @@ class GRPOConfig:
 class JAGGConfig:
     """Windows of ``window_size`` trained steps (``chained``: neighbours share an anchor); the
     ``jagg_frac`` share with the smallest ``routing`` score use JAGG (``residual``: the
-    velocity-interpolation residual; ``cosine``: 1 - cos(v_k - v_a, v_b - v_a), the published rule; a
-    window above ``score_limit`` stays exact); ``low_memory`` runs the two anchors as two passes;
+    velocity-interpolation residual; ``cosine``: 1 - cos(v_k - v_a, v_b - v_a), the published rule; ``random``:
+    a uniform draw seeded by (seed, step), the baseline; a window above ``score_limit`` stays exact);
+    ``estimator``: ``paper`` (the two-anchor interpolation) or ``control_variate`` (unbiased: a routed window
+    also gets its exact gradient with probability ``control_p`` and the estimate becomes
+    JAGG + (B / p)(exact - JAGG), B ~ Bernoulli(p) seeded by (seed, step), docs/method.md §8);
+    ``low_memory`` runs the two anchors as two passes;
     ``cache_interior`` reuses the rollout's velocities for interior steps while theta = theta_old.
 
     ``fused_rollout`` (on-policy fused mode, docs/method.md §7): the rollout runs every step that will get a
@@ -193,7 +206,9 @@ class JAGGConfig:
     score_limit: float | None = None
     low_memory: bool = False
     cache_interior: bool = True
-    routing: Literal["residual", "cosine"] = "residual"
+    routing: Literal["residual", "cosine", "random"] = "residual"
+    estimator: Literal["paper", "control_variate"] = "paper"
+    control_p: float = 0.5
     fused_rollout: bool = False
     fused_exact_interior: bool = True
     fused_samples: int | None = None
@@ -205,7 +220,16 @@ class JAGGConfig:
         check(self.window_size >= 2, "jagg.window_size", ">= 2", self.window_size)
         check(0.0 <= self.jagg_frac <= 1.0, "jagg.jagg_frac", "in [0, 1]", self.jagg_frac)
         check(self.score_limit is None or self.score_limit >= 0, "jagg.score_limit", ">= 0 or null", self.score_limit)
-        check(self.routing in ROUTING_SCORES, "jagg.routing", " or ".join(map(repr, ROUTING_SCORES)), self.routing)
+        check(self.routing in ROUTING_SCORES, "jagg.routing", one_of(ROUTING_SCORES), self.routing)
+        check(self.routing != "random" or self.score_limit is None, "jagg.score_limit", "null with jagg.routing "
+              "'random' (a uniform draw says nothing about a window's linearity)", self.score_limit)
+        check(self.estimator in ESTIMATORS, "jagg.estimator", one_of(ESTIMATORS), self.estimator)
+        check(isinstance(self.control_p, (int, float)) and not isinstance(self.control_p, bool)
+              and 0.0 < self.control_p <= 1.0, "jagg.control_p", "in (0, 1] (the probability that a routed window "
+              "also gets its exact gradient)", self.control_p)
+        check(self.estimator != "control_variate" or not self.interpolate_reference, "jagg.interpolate_reference",
+              "false with jagg.estimator 'control_variate' (the unbiased estimate needs the true reference at every "
+              "step)", self.interpolate_reference)
         check_ints(self, "jagg", "fused_samples")
         check(self.fused_samples is None or self.fused_samples >= 1, "jagg.fused_samples", ">= 1 or null",
               self.fused_samples)

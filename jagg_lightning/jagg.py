@@ -15,7 +15,8 @@ gets a backward ("pass step": an anchor of a routed window, or any step of an ex
 upstream tensor U_k = g_k + (the G contributions of routed windows' interior steps). Interior g_k come
 from a no-grad forward or, while theta is still the rollout's theta, from the rollout's recorded
 velocities. Chained windows share anchors, and a shared anchor gets one backward, not two.
-See docs/method.md for the exactness proof and the cost model. Plain torch: no Lightning here.
+The control variate (``Window.correction`` c = B/p, drawn by :func:`draw_corrections`) turns a routed
+window's estimate into JAGG + c (exact - JAGG): its interiors get passes of their own. See docs/method.md for the exactness proof and the cost model. Plain torch: no Lightning here.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ class Window:
     """A run of consecutive sampling steps; its anchors are the first and last step."""
 
     steps: tuple[int, ...]
-    score: float = 0.0  # routing score (residual or 1 - cosine): lower is more linear
+    score: float = 0.0  # routing score (residual, 1 - cosine or a seeded uniform): lower is more linear
     routed: bool = False  # True: JAGG (anchor backward only); False: exact per-step backward
     segment: int = 0  # which network's run of steps it lies in (Wan2.2's experts: 0 high noise, 1 low); routed apart
+    correction: float = 0.0  # control variate c = B/p of a routed window (0: the paper's estimate alone)
 
     @property
     def anchors(self) -> tuple[int, int]:
@@ -67,6 +69,7 @@ class WindowRecord:
     cached_steps: int = 0  # interior steps whose velocity came from the rollout cache
     fused_steps: int = 0  # pass steps whose forward with grad was the rollout's own (fused mode): no extra forward
     segment: int = 0  # the window's network (Wan2.2's expert), as Window.segment
+    correction: float = 0.0  # as Window.correction: > 0 when its interiors got their exact passes too
 
 
 def plan_windows(steps: Sequence[int], window_size: int, chained: bool = False,
@@ -156,17 +159,27 @@ def cosine_score(velocities: Tensor, times: Tensor, steps: Sequence[int]) -> Ten
     return 1.0 - cos.mean()
 
 
-ROUTING_SCORES: dict[str, Callable[[Tensor, Tensor, Sequence[int]], Tensor]] = {
-    "residual": interpolation_residual,
-    "cosine": cosine_score,
-}
+def random_score(velocities: Tensor, times: Tensor, steps: Sequence[int],
+                 generator: torch.Generator | None = None) -> Tensor:
+    """The baseline rule: a uniform draw in [0, 1) from ``generator`` (seeded by the caller from the run's seed
+    and step, so every process draws alike and the global RNG is untouched); the velocities are unused."""
+    if generator is None:
+        raise ValueError("jagg.routing 'random' needs a generator seeded by the step (Updater.route passes one)")
+    return torch.rand((), generator=generator, dtype=torch.float64).to(velocities.device)
 
 
-def routing_score(rule: str, velocities: Tensor, times: Tensor, steps: Sequence[int]) -> Tensor:
-    """The score of ``rule`` (``residual`` or ``cosine``) for one window (0-d tensor); lower is more linear."""
+ROUTING_SCORES: dict[str, Callable[..., Tensor]] = {"residual": interpolation_residual, "cosine": cosine_score,
+                                                     "random": random_score}
+
+
+def routing_score(rule: str, velocities: Tensor, times: Tensor, steps: Sequence[int],
+                  generator: torch.Generator | None = None) -> Tensor:
+    """The score of ``rule`` (``residual``, ``cosine`` or ``random``: ``generator`` draws it) for one window
+    (0-d tensor); lower is more linear."""
     if rule not in ROUTING_SCORES:
         raise ValueError(f"jagg.routing must be one of {sorted(ROUTING_SCORES)}, got {rule!r}")
-    return ROUTING_SCORES[rule](velocities, times, steps)
+    drawn = {"generator": generator} if rule == "random" else {}
+    return ROUTING_SCORES[rule](velocities, times, steps, **drawn)
 
 
 def route_windows(
@@ -200,6 +213,17 @@ def route_windows(
     return windows
 
 
+def draw_corrections(windows: Sequence[Window], p: float | None, generator: torch.Generator | None = None) -> None:
+    """The control variate's draws, in place: each routed window with an interior gets c = B/p, B ~ Bernoulli(p)
+    from ``generator`` (one uniform per window, routed or not, so a window's draw does not depend on the
+    routing of the others); ``p`` None resets every c to 0 (the paper's estimate)."""
+    if p is not None and not 0.0 < p <= 1.0:
+        raise ValueError(f"jagg.control_p must be in (0, 1], got {p}")
+    for w in windows:
+        drawn = p is not None and float(torch.rand((), generator=generator, dtype=torch.float64)) < p
+        w.correction = 1.0 / p if drawn and w.routed and len(w.steps) > 2 else 0.0
+
+
 @dataclass
 class _Engine:
     velocity_fn: VelocityFn
@@ -209,6 +233,8 @@ class _Engine:
     step_loss: StepLossFn
     backward: Callable[[Tensor], None]
     upstream: dict[int, Tensor] = field(default_factory=dict)
+    own_scale: dict[int, float] = field(default_factory=dict)  # control variate: an interior's exact term c g_k
+    folds: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # k -> (anchor, weight of g_k) on its pass
 
     def own_gradient(self, k: int, v: Tensor) -> Tensor:
         """g_k = dL_k/dv_k at the (detached) velocity ``v``."""
@@ -226,7 +252,12 @@ class _Engine:
     def objective(self, k: int, v_k: Tensor) -> Tensor:
         """<v_k, U_k> with U_k = g_k + the folded interior contributions (held fixed)."""
         with torch.enable_grad():
-            u = self.own_gradient(k, v_k) + self.upstream.pop(k, 0)
+            g = self.own_gradient(k, v_k)
+            for anchor, weight in self.folds.pop(k, ()):  # (1 - c) of a drawn interior's G_a / G_b share
+                self.add_upstream(anchor, weight * g)
+            if k in self.own_scale:
+                g = self.own_scale.pop(k) * g
+            u = g + self.upstream.pop(k, 0)
             return (v_k.to(u.dtype) * u).sum()
 
     def grad_pass(self, steps: Sequence[int], batched: bool = True) -> int:
@@ -271,20 +302,44 @@ def accumulate_gradients(
     for some steps (theta = theta_old, so they equal a fresh forward). A pass step found there needs no
     forward; all of them share ONE backward, after the other passes. Unused entries (interior steps of a
     window that was routed) are simply dropped by the caller.
-    ``batch_anchors`` False: a routed window's anchors still share ONE backward (and its activation
-    peak), but each goes through its own forward with the batch shape of ``latents`` -- at theta_old the
-    rollout's shape, so the forward reproduces the rollout's velocities bit for bit. One batched forward of
-    twice the rows need not: a matmul kernel is picked by the shape and rounds its own way (measured on
-    a CPU: the per-sample timestep / AdaLN linears of the tiny SD3 change kernel between 10 and 11 rows),
-    so the first update's ratio was off by 1-2 float32 ulp of the log-prob.
+    ``batch_anchors`` False: a routed window's anchors still share ONE backward, but each gets its own forward
+    of the batch shape of ``latents`` -- at theta_old the rollout's, so the rollout's velocities are reproduced bit
+    for bit (a batched forward of twice the rows need not: a matmul kernel is picked by the shape and rounds its
+    own way -- the tiny SD3's AdaLN linears change kernel between 10 and 11 rows on a CPU: 1-2 ulp of log-prob).
+    Drawn control-variate windows (``Window.correction`` > 0) give every interior a pass of its own, first.
     Returns one :class:`WindowRecord` per window with the passes it actually made.
     """
     engine = _Engine(velocity_fn, latents, times, cond, step_loss, backward or Tensor.backward)
-    records = [WindowRecord(w.steps, w.score, w.routed, segment=w.segment) for w in windows]
+    records = [WindowRecord(w.steps, w.score, w.routed, segment=w.segment, correction=w.correction) for w in windows]
+    graphs = graphs or {}
+    fused: list = [None, None]  # the fused terms' sum and the record that owns their one backward
+
+    def run_passes(rec: WindowRecord, todo: list[int], joint: bool) -> None:
+        """Pass steps ``todo``: kept graphs join the fused backward; the rest get one pass (``joint``) or one each."""
+        for k in [k for k in todo if k in graphs]:  # the rollout's own forward: fold into the joint backward
+            term = engine.objective(k, graphs[k])
+            with torch.enable_grad():  # the caller may be the (no-grad) rollout
+                fused[0] = term if fused[0] is None else fused[0] + term
+            fused[1] = fused[1] or rec
+            rec.fused_steps += 1
+        todo = [k for k in todo if k not in graphs]
+        for steps in [todo] if joint and len(todo) > 1 and not low_memory else [[k] for k in todo]:
+            rec.grad_forwards += engine.grad_pass(steps, batched=batch_anchors)
+            rec.backwards += 1
 
     # 1. Interior steps of routed windows: g_k from the cache or a no-grad forward, folded into G_a/G_b.
+    #    Drawn for the control variate (c = w.correction > 0): each interior gets its own pass with U_k = c g_k and
+    #    folds (1 - c) of its G_a/G_b share into the anchors from that pass's g_k (no extra forward).
     for w, rec in zip(windows, records):
         if not w.routed or len(w.steps) <= 2:
+            continue
+        if w.correction:
+            c, (a, b) = w.correction, w.anchors
+            for k, al in zip(w.interior, alphas(times, w.steps)[1:-1].tolist()):
+                engine.own_scale[k] = c
+                if c != 1.0:
+                    engine.folds[k] = [(a, (1 - c) * (1 - al)), (b, (1 - c) * al)]
+            run_passes(rec, list(w.interior), joint=False)
             continue
         interior_g = []
         for k in w.interior:
@@ -303,29 +358,14 @@ def accumulate_gradients(
         engine.add_upstream(b, g_b)
 
     # 2. Backward passes; a step shared by chained windows is done once, by the first window.
-    graphs = graphs or {}
     done: set[int] = set()
-    fused_total, fused_owner = None, None
     for w, rec in zip(windows, records):
         todo = [k for k in (w.anchors if w.routed else w.steps) if k not in done]
         done.update(todo)
-        for k in [k for k in todo if k in graphs]:  # the rollout's own forward: fold into the joint backward
-            term = engine.objective(k, graphs[k])
-            with torch.enable_grad():  # the caller may be the (no-grad) rollout
-                fused_total = term if fused_total is None else fused_total + term
-            fused_owner = fused_owner or rec
-            rec.fused_steps += 1
-        todo = [k for k in todo if k not in graphs]
-        if w.routed and len(todo) > 1 and not low_memory:
-            passes = [todo]
-        else:
-            passes = [[k] for k in todo]
-        for steps in passes:
-            rec.grad_forwards += engine.grad_pass(steps, batched=batch_anchors)
-            rec.backwards += 1
-    if fused_total is not None:
-        engine.backward(fused_total)
-        fused_owner.backwards += 1
+        run_passes(rec, todo, joint=w.routed)
+    if fused[0] is not None:
+        engine.backward(fused[0])
+        fused[1].backwards += 1
     return records
 
 

@@ -20,11 +20,12 @@ ActivationBytes = Callable[[], int]
 def pass_steps_before_routing(windows: list[Window], jagg: JAGGConfig, interiors: bool) -> set[int]:
     """Steps that get a backward whatever the routing decides -- anchors (routed or exact) and every step
     of a window exact for certain (a short tail, or ``jagg_frac`` routing none) -- plus, with
-    ``interiors``, the interiors of windows that may stay exact (``jagg_frac`` < 1 or a ``score_limit``)."""
+    ``interiors``, the interiors of windows that may stay exact (``jagg_frac`` < 1 or a ``score_limit``) or may
+    be drawn for the control variate (``jagg.estimator``)."""
     j = jagg
     full = [w for w in windows if len(w.steps) == j.window_size]
     routed_count = int(j.jagg_frac * len(full) + 0.5)
-    all_routed = routed_count == len(full) and j.score_limit is None
+    all_routed = routed_count == len(full) and j.score_limit is None and j.estimator == "paper"
     keep: set[int] = set()
     for w in windows:
         if len(w.steps) < j.window_size or routed_count == 0:

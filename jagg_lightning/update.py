@@ -23,14 +23,15 @@ from jagg_lightning.batching import batch_slice
 from jagg_lightning.collectives import Collectives
 from jagg_lightning.grpo import StepRecord, combined_advantages, group_advantages, step_loss
 from jagg_lightning.jagg import (
-    Window, WindowGradientCheck, WindowRecord, accumulate_gradients, alphas, check_window_gradients, route_windows,
-    routing_score,
+    Window, WindowGradientCheck, WindowRecord, accumulate_gradients, alphas, check_window_gradients, draw_corrections,
+    route_windows, routing_score,
 )
 from jagg_lightning.passes import fused_graph_steps, fused_samples, pass_plan, reference_steps
 from jagg_lightning.rewards import Reward, component_weights
 from jagg_lightning.rollout import RolloutBatch, RolloutPlan, Trajectory, sample_seed
 from jagg_lightning.sampler import Sampler
 
+_ROUTING_STREAM, _CONTROL_STREAM = -4, -5  # sample_seed streams of the random routing scores and the control draws
 
 @dataclass
 class UpdateHooks:
@@ -89,15 +90,23 @@ class Updater:
         return combined_advantages(rewards, components, weights, self.sampling.group_size, g.multi_reward, g.adv_std,
                                    g.adv_eps, g.adv_clip, g.std_ddof, all_reduce)
 
-    def route(self, traj: Trajectory, windows: list[Window], collectives: Collectives | None = None) -> list[Window]:
+    def route(self, traj: Trajectory, windows: list[Window], collectives: Collectives | None = None, step: int = 0,
+              draw: int = 0) -> list[Window]:
         """Score every window from the recorded velocities (``jagg.routing``; mean over all samples of all
-        processes), route (in place; the windows are returned)."""
-        scores = torch.stack([routing_score(self.jagg.routing, traj.velocities, traj.times, w.steps)
+        processes), route and, with ``jagg.estimator: control_variate``, draw each routed window's B (in place;
+        the windows are returned). ``random`` scores and the draws come from generators seeded by (sampling.seed,
+        ``step``, ``draw``: the fused mode's micro-batch), alike on every process; the global RNG is untouched."""
+        gen = torch.Generator().manual_seed(sample_seed(self.sampling.seed, step, _ROUTING_STREAM, draw))
+        scores = torch.stack([routing_score(self.jagg.routing, traj.velocities, traj.times, w.steps, gen)
                               for w in windows]).to(self.sampler.device)
-        # every process must route alike: under DDP the backward calls (and their all-reduces) must match
-        scores = (collectives or Collectives()).mean(scores)
-        return route_windows(windows, scores.tolist(), self.jagg.jagg_frac, self.jagg.window_size,
-                             self.jagg.score_limit)
+        if self.jagg.routing != "random":  # drawn alike everywhere; measured scores differ per process
+            # every process must route alike: under DDP the backward calls (and their all-reduces) must match
+            scores = (collectives or Collectives()).mean(scores)
+        route_windows(windows, scores.tolist(), self.jagg.jagg_frac, self.jagg.window_size, self.jagg.score_limit)
+        control = self.jagg.estimator == "control_variate"
+        gen = torch.Generator().manual_seed(sample_seed(self.sampling.seed, step, _CONTROL_STREAM, draw))
+        draw_corrections(windows, self.jagg.control_p if control else None, gen)
+        return windows
 
     @torch.no_grad()
     def complete_reference(self, traj: Trajectory, cond: tuple, windows: list[Window], taken: set[int]) -> None:
@@ -198,7 +207,7 @@ class Updater:
                 advantages: Tensor, step: int, plan: RolloutPlan, taken: set[int], hooks: UpdateHooks) -> StepReport:
         """Route, complete the reference, then ``inner_epochs`` passes over shuffled micro-batches of the finished
         rollout, one optimizer step per update."""
-        self.route(traj, plan.windows, hooks.collectives)
+        self.route(traj, plan.windows, hooks.collectives, step)
         self.complete_reference(traj, cond, plan.windows, taken)
         num = advantages.shape[0]
         shuffle = torch.Generator().manual_seed(sample_seed(self.sampling.seed, step, -1))
@@ -261,7 +270,7 @@ class Updater:
             adv, adv_parts = self.reward_advantages(total, comps, reward, hooks.collectives)
             rewards.append(total), components.append(comps), advantages.append(adv), parts.append(adv_parts)
             mb, mb_cond = traj.select(part), batch_slice(cond, part)  # views: a completed reference is the trajectory's
-            windows = self.route(mb, plan.windows, hooks.collectives)
+            windows = self.route(mb, plan.windows, hooks.collectives, step, part.start)
             self.complete_reference(mb, mb_cond, windows, taken)
             n = adv.shape[0]
             kept = n if graph_samples is None else min(graph_samples, n)

@@ -1,4 +1,4 @@
-"""The two routing rules: the interpolation residual (ours) and the published cosine rule."""
+"""The routing rules: the interpolation residual (ours), the published cosine rule and the random baseline."""
 
 import pytest
 import torch
@@ -71,7 +71,7 @@ def test_module_routes_by_the_configured_rule(rule, routed, rng_seed):
 
 
 def test_unknown_routing_rule_is_rejected_before_any_model_is_built(monkeypatch):
-    with pytest.raises(ValueError, match=r"jagg.routing must be 'residual' or 'cosine', got 'angle'"):
+    with pytest.raises(ValueError, match=r"jagg.routing must be 'residual', 'cosine' or 'random', got 'angle'"):
         JAGGConfig(routing="angle")
     import jagg_lightning.module as module_lib
 
@@ -83,3 +83,60 @@ def test_unknown_routing_rule_is_rejected_before_any_model_is_built(monkeypatch)
             monkeypatch.setattr(module_lib, name, no_model)
     with pytest.raises(ValueError, match="jagg.routing"):
         JAGGModule(jagg={"routing": "angle"})
+
+
+def _random_router(seed, estimator="paper"):
+    module = JAGGModule(policy=tiny_policy_config(), sampling=SamplingConfig(num_steps=13, group_size=2, seed=seed),
+                        jagg=JAGGConfig(window_size=3, chained=True, jagg_frac=0.5, routing="random",
+                                        estimator=estimator, control_p=0.5))
+    module.configure_model()
+    return module
+
+
+def test_random_routing_is_seeded_by_step_and_alike_on_every_process(rng_seed):
+    """12 trained steps, W = 3 chained: 5 full windows + a tail, round(0.5 * 5) = 3 routed per step. The draw
+    depends on (seed, step) only: two trajectories (two processes' samples) route alike, a second module with
+    the same seed repeats it, the global RNG is untouched; steps differ (40 steps of one pattern of C(5, 3) = 10:
+    probability 10^-39) and every window is routed at some step (each misses all 40 with probability (2/5)^40)."""
+    seed = rng_seed % 10_000
+    module, again = _random_router(seed), _random_router(seed)
+    gen = torch.Generator().manual_seed(rng_seed)
+    trajs = [_disagreeing_trajectory(module.sampler.times, gen) for _ in range(2)]
+    state = torch.get_rng_state()
+    patterns = []
+    for step in range(40):
+        routed = [[w.routed for w in module.updater.route(t, module.windows, step=step)] for t in trajs]
+        routed.append([w.routed for w in again.updater.route(trajs[0], again.windows, step=step)])
+        assert routed[0] == routed[1] == routed[2]
+        assert sum(routed[0]) == 3 and not routed[0][-1]  # the share; the short tail stays exact
+        assert all(0.0 <= w.score < 1.0 for w in module.windows)
+        patterns.append(tuple(routed[0]))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert len(set(patterns)) > 1
+    assert all(any(p[i] for p in patterns) for i in range(5))
+    other = _random_router(seed + 1)
+    assert [tuple(w.routed for w in other.updater.route(trajs[0], other.windows, step=s)) for s in range(40)] != patterns
+
+
+def test_control_variate_draws_are_seeded_by_step(rng_seed):
+    """The Bernoulli(p) draws of the routed windows: alike for two processes' trajectories, reproducible, only
+    on routed windows with an interior, c = 1/p; over 40 steps both outcomes occur."""
+    seed = rng_seed % 10_000
+    module, again = _random_router(seed, "control_variate"), _random_router(seed, "control_variate")
+    gen = torch.Generator().manual_seed(rng_seed)
+    trajs = [_disagreeing_trajectory(module.sampler.times, gen) for _ in range(2)]
+    seen = set()
+    for step in range(40):
+        c = [[w.correction for w in module.updater.route(t, module.windows, step=step)] for t in trajs]
+        c.append([w.correction for w in again.updater.route(trajs[0], again.windows, step=step)])
+        assert c[0] == c[1] == c[2]
+        assert all(x in (0.0, 2.0) and (x == 0.0 or w.routed) for x, w in zip(c[0], module.windows))
+        seen.update(c[0][i] for i, w in enumerate(module.windows) if w.routed)
+    assert seen == {0.0, 2.0}
+
+
+def test_random_routing_refuses_a_score_limit():
+    with pytest.raises(ValueError, match="jagg.score_limit must be null with jagg.routing 'random'"):
+        JAGGConfig(routing="random", score_limit=0.1)
+    with pytest.raises(ValueError, match="jagg.routing 'random' needs a generator"):
+        routing_score("random", torch.zeros(3, 1, 2), flow_match_sigmas(2), [0, 1, 2])
