@@ -33,6 +33,7 @@ from jagg_lightning.sampler import Sampler
 
 _ROUTING_STREAM, _CONTROL_STREAM = -4, -5  # sample_seed streams of the random routing scores and the control draws
 
+
 @dataclass
 class UpdateHooks:
     """What the update needs from the training loop: the backward call (Lightning's ``manual_backward``), the
