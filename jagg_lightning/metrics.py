@@ -42,6 +42,8 @@ def train_metrics(report: StepReport, windows: list[Window], ratio: FirstUpdateR
         "passes/reference_forward": torch.tensor(float(reference_forwards)),
         "passes/exact_backward": torch.tensor(float(exact_backwards)),
         "passes/routed_windows": torch.tensor(float(len(routed))),
+        # routed windows the control variate drew (jagg.estimator: control_variate): their interiors got passes too
+        "passes/corrected_windows": torch.tensor(float(sum(r.correction > 0 for r in routed))),
         "passes/grad_all_reduce": torch.tensor(float(gradient_all_reduces)),
         **advantage_part_stats(report.advantage_parts, report.advantages),
     }

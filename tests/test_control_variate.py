@@ -141,7 +141,7 @@ def test_module_with_p_one_makes_the_exact_update(fused, options, rng_seed):
     exact, _ = fit_once(build(seed, fused, jagg_frac=0.0, **options))
     got, passes = fit_once(build(seed, fused, jagg_frac=1.0, estimator="control_variate", control_p=1.0, **options))
     assert rel_error(got, exact) < 1e-10
-    assert passes["routed_windows"] > 0
+    assert passes["routed_windows"] > 0 and passes["corrected_windows"] == passes["routed_windows"]  # p = 1: all
     if not fused:  # the windows are not linear: the paper's estimate alone is off (fused = unfused: test_fused.py)
         paper, _ = fit_once(build(seed, fused, jagg_frac=1.0, **options))
         assert rel_error(paper, exact) > 1e-10
