@@ -16,6 +16,23 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 
+_CLEANUP_REGISTERED = False
+
+
+def destroy_process_group_at_exit() -> None:
+    """Once a process group exists, register (once) an ``atexit`` handler that destroys it while the interpreter is
+    still alive. Lightning leaves it to interpreter finalization, where gloo's worker threads may still hold tensors
+    and the process aborts (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#190489): a
+    finished run must not end in a crash."""
+    global _CLEANUP_REGISTERED
+    if _CLEANUP_REGISTERED or not (dist.is_available() and dist.is_initialized()):
+        return
+    import atexit
+
+    atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
+    _CLEANUP_REGISTERED = True
+
+
 class Collectives:
     def __init__(self, trainer=None):
         self.trainer = trainer

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from jagg_lightning import state
-from jagg_lightning.collectives import Collectives
+from jagg_lightning.collectives import Collectives, destroy_process_group_at_exit
 from jagg_lightning.config import (
     EvalConfig, GRPOConfig, JAGGConfig, SamplingConfig, as_config, check, check_learning_rates, check_optimizer,
     check_precision, check_sections, default_optimizer,
@@ -189,6 +189,7 @@ class JAGGModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": self.lr_scheduler_factory(optimizer)}
 
     def setup(self, stage: str) -> None:
+        destroy_process_group_at_exit()  # Lightning leaves it to interpreter shutdown, where gloo can abort
         check_precision(self.trainer.precision, self.policy_config.dtype)
         if self.jagg.fused_rollout and stage == "fit" and isinstance(self.trainer.strategy, ModelParallelStrategy):
             raise ValueError("jagg.fused_rollout must be false under a sharded strategy (FSDP2): the kept graphs "

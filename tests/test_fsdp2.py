@@ -91,6 +91,9 @@ RANK_SCRIPT = textwrap.dedent('''
         print("fused refused")
     else:
         raise AssertionError("fused_rollout trained under FSDP2")
+    # the process group is destroyed at exit while the interpreter is alive (else gloo may abort at shutdown)
+    from jagg_lightning import collectives
+    assert collectives._CLEANUP_REGISTERED
 ''')
 
 
