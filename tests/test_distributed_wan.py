@@ -2,7 +2,9 @@
 two-expert twin give the one-process update on the same prompts (float64, CFG and KL on, JAGG routed on both
 experts). Under FSDP2 both experts are sharded (every LoRA weight of ``transformer`` and ``transformer_2`` a
 DTensor, gradient checkpointing on); the checkpoint it writes holds both experts' LoRA, resumes under FSDP2 into
-a differently initialised module, and the LoRA export gathered from the shards writes both experts."""
+a differently initialised module, and the LoRA export gathered from the shards writes both experts. Wan2.2 trained
+in full (``trainable: full``) shards both experts and both frozen KL reference copies, and its update equals one
+process's."""
 
 import textwrap
 
@@ -16,6 +18,7 @@ from jagg_lightning.data import PromptDataModule
 from distributed import run_ranks
 from helpers import rel_error
 from test_family_wan import TWINS, build, module_for
+from test_wan22_adapter_and_full import full_module
 
 OPTIONS = dict(dtype="float64", jagg_frac=0.5, window_size=2, num_steps=4, kl_beta=0.5, train_batch_size=2)
 PROMPTS = ["a red cat", "a blue dog"]
@@ -76,6 +79,16 @@ RANK_SCRIPT = textwrap.dedent('''
         assert sorted(restored) == sorted(trained)
         assert all(torch.equal(restored[n], trained[n]) for n in trained), twin
         assert all(isinstance(p, DTensor) for p in fresh.policy.lora_parameters())
+
+    # Wan2.2 trained in full: both experts' own weights and both frozen KL reference copies sharded
+    from test_wan22_adapter_and_full import full_module
+    module = full_module(seed)
+    trainer = fit(module, FSDP2Strategy(process_group_backend="gloo"))
+    assert all(isinstance(p, DTensor) for expert in module.policy.experts for p in expert.parameters())
+    assert all(isinstance(p, DTensor) for p in module.policy.frozen_reference.parameters())
+    full = weights(module)
+    if trainer.global_rank == 0:
+        save_file(full, f"{out}/wan22_full_fsdp.safetensors")
 ''')
 
 
@@ -124,3 +137,18 @@ def test_ddp_and_fsdp2_equal_one_process_on_both_wan_twins(tmp_path, rng_seed):
             assert sorted(k[len(PEFT_KEY_PREFIX):] for k in exported) == sorted(mine), (twin, expert)
             assert all(torch.equal(exported[PEFT_KEY_PREFIX + k], v) for k, v in mine.items()), (twin, expert)
         assert (lora / "diffusers_transformer_2").is_dir() == two
+
+    # the full fine-tune of both experts under FSDP2 equals one process's (float64, KL against both copies)
+    single = full_module(seed)
+    single.configure_model()
+    initial = {n: p.detach().clone() for n, p in single.named_parameters() if p.requires_grad}
+    L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False).fit(single, PromptDataModule(prompts=PROMPTS, batch_size=2, shuffle=False))
+    names = sorted(initial)
+    fsdp = load_file(tmp_path / "wan22_full_fsdp.safetensors")
+    assert sorted(fsdp) == names and any(".transformer_2." in n for n in names)
+    update = [single.get_parameter(n).detach() - initial[n] for n in names]
+    for expert in ("transformer.", "transformer_2."):
+        assert sum(float(u.abs().sum()) for n, u in zip(names, update) if f".{expert}" in n) > 0, expert
+    error = rel_error([fsdp[n] - initial[n] for n in names], update)
+    assert error < 1e-6, error
