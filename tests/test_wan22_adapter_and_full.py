@@ -90,6 +90,14 @@ def test_wan21_and_wan22_adapters_do_not_cross(tmp_path, rng_seed):
                              pipeline=build_tiny_wan_pipeline(0, two_experts=two))
     with pytest.raises(ValueError, match=r"policy.adapter must be left at its default .* policy.trainable 'full'"):
         PolicyConfig(family="wan22", trainable="full", adapter=str(tmp_path / "two_True"))
+    # with a saved pipeline the config check refuses it from the files, before any model is built; the right one passes
+    for two in (False, True):
+        build_tiny_wan_pipeline(0, two_experts=two).save_pretrained(tmp_path / f"pipe_{two}")
+        for part in ("", "peft", "diffusers"):
+            with pytest.raises(ValueError, match=r"policy.adapter: .* holds a LoRA for .*Wan2.2 adapter"):
+                PolicyConfig(pretrained=str(tmp_path / f"pipe_{two}"), adapter=str(tmp_path / f"two_{not two}" / part),
+                             **WAN)
+            PolicyConfig(pretrained=str(tmp_path / f"pipe_{two}"), adapter=str(tmp_path / f"two_{two}" / part), **WAN)
 
 
 def test_jagg_validate_with_a_wan22_adapter_scores_the_trained_policy(tmp_path, rng_seed):

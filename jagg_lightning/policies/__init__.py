@@ -105,6 +105,22 @@ def check_resolution_in_folder(config: PolicyConfig) -> None:
     cls.check_resolution(config.resolution, cls.pixel_multiple(vae, transformer))
 
 
+def check_adapter_in_folder(config: PolicyConfig) -> None:
+    """Refuse a ``policy.adapter`` whose parts are for other networks than the local pipeline folder's family trains
+    (a Wan2.1 adapter on Wan2.2, or the reverse), from the files alone, before any model is built."""
+    from jagg_lightning.adapters import adapter_files
+    from jagg_lightning.assets import find_local
+
+    folder = find_local(config.pretrained) if config.pretrained is not None else None
+    if config.adapter is None or folder is None or not (folder / "model_index.json").is_file():
+        return
+    cls = detect_family(config).policy_class()
+    expected = cls.trained_network_names(json.loads((folder / "model_index.json").read_text()))
+    _, parts = adapter_files(find_local(config.adapter) or config.adapter)
+    if set(parts) != expected:
+        raise ValueError(cls.adapter_mismatch(config.adapter, parts, expected))
+
+
 def policy_class(config: PolicyConfig) -> type[Policy]:
     return detect_family(config).policy_class()
 
@@ -126,6 +142,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["DTYPES", "FAMILIES", "Family", "Policy", "PolicyConfig", "build_policy", "check_family",
-           "check_resolution_in_folder", "detect_family",
+__all__ = ["DTYPES", "FAMILIES", "Family", "Policy", "PolicyConfig", "build_policy", "check_adapter_in_folder",
+           "check_family", "check_resolution_in_folder", "detect_family",
            "family_for_pipeline_class", "policy_class", "register_family"]

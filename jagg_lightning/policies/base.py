@@ -168,9 +168,10 @@ class PolicyConfig:
         resolve_path(self.pretrained, "policy.pretrained", hub=True)
         if self.adapter is not None:
             adapter_format(find_local(self.adapter) or resolve_path(self.adapter, "policy.adapter", kind="folder or file"))
-        from jagg_lightning.policies import check_resolution_in_folder
+        from jagg_lightning.policies import check_adapter_in_folder, check_resolution_in_folder
 
         check_resolution_in_folder(self)
+        check_adapter_in_folder(self)
 
 
 def add_lora(policy, network: nn.Module, shape: dict, seed: int, dtype: torch.dtype) -> None:
@@ -257,10 +258,13 @@ class Policy(nn.Module):
         except (ValueError, FileNotFoundError) as err:
             raise PolicyBuildError(str(err)) from None
         if set(adapters) != set(networks):
-            raise PolicyBuildError(
-                f"policy.adapter: {path!r} holds a LoRA for {sorted(adapters)} but this {self.family} model adapts "
-                f"{sorted(networks)}{self.adapter_mismatch_hint}")
+            raise PolicyBuildError(self.adapter_mismatch(path, adapters, networks))
         return adapters
+
+    @classmethod
+    def adapter_mismatch(cls, path: str, found, expected) -> str:
+        return (f"policy.adapter: {path!r} holds a LoRA for {sorted(found)} but this {cls.family} model adapts "
+                f"{sorted(expected)}{cls.adapter_mismatch_hint}")
 
     # ------------------------------------------------------------------ what a family writes
     @classmethod
@@ -383,6 +387,12 @@ class Policy(nn.Module):
 
     # appended to the error of a ``policy.adapter`` made for other networks (Wan: Wan2.2's two experts vs Wan2.1's one)
     adapter_mismatch_hint: str = ""
+
+    @classmethod
+    def trained_network_names(cls, model_index: dict) -> set[str]:
+        """The names ``trained_networks()`` will have for a pipeline folder's ``model_index.json``, known before any
+        model is built (``policy.adapter`` is checked against them): ``transformer``."""
+        return {"transformer"}
 
     def sharded_networks(self) -> list[nn.Module]:
         """The networks FSDP2 shards (each block, then the network; ``strategies.shard_policy``): the trained ones."""

@@ -93,6 +93,11 @@ class WanPolicy(Policy):
                              "model has one transformer)")
 
     @classmethod
+    def trained_network_names(cls, model_index: dict) -> set[str]:
+        """Wan2.2 (``transformer_2`` in ``model_index.json``): both experts; Wan2.1: ``transformer``."""
+        return {"transformer"} | ({"transformer_2"} if (model_index.get("transformer_2") or [None])[0] else set())
+
+    @classmethod
     def build_tiny_pipeline(cls, seed: int = 0, dtype: torch.dtype = torch.float32):
         return build_tiny_wan_pipeline(seed, dtype)
 
