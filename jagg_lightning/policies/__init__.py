@@ -89,36 +89,28 @@ def detect_family(config: PolicyConfig) -> Family:
     return family_for_pipeline_class(pipeline_class_name(config.pretrained))
 
 
-def check_resolution_in_folder(config: PolicyConfig) -> None:
-    """Refuse a ``policy.resolution`` the local pipeline folder's family cannot take, from the folder's JSON files
-    alone (before any model is built). A hub id, or no folder: checked when the model is built."""
-    from jagg_lightning.assets import find_local
-
-    folder = find_local(config.pretrained) if config.pretrained is not None else None
-    if config.resolution is None or folder is None:
-        return
-    files = [folder / part / "config.json" for part in ("vae", "transformer")]
-    if not all(f.is_file() for f in files):
-        return  # not a diffusers pipeline folder: the build names what is missing
-    vae, transformer = (json.loads(f.read_text()) for f in files)
-    cls = detect_family(config).policy_class()
-    cls.check_resolution(config.resolution, cls.pixel_multiple(vae, transformer))
-
-
-def check_adapter_in_folder(config: PolicyConfig) -> None:
-    """Refuse a ``policy.adapter`` whose parts are for other networks than the local pipeline folder's family trains
-    (a Wan2.1 adapter on Wan2.2, or the reverse), from the files alone, before any model is built."""
+def check_against_folder(config: PolicyConfig) -> None:
+    """What a local pipeline folder's files tell before any model is built: a ``policy.resolution`` its family cannot
+    take (``vae/`` and ``transformer/config.json``), a ``policy.adapter`` whose parts are for other networks than
+    the family trains (``model_index.json``: a Wan2.1 adapter on Wan2.2, or the reverse). A hub id: checked when
+    the model is built, as is a folder that is not a diffusers pipeline (the build names what is missing)."""
     from jagg_lightning.adapters import adapter_files
     from jagg_lightning.assets import find_local
 
     folder = find_local(config.pretrained) if config.pretrained is not None else None
-    if config.adapter is None or folder is None or not (folder / "model_index.json").is_file():
+    if folder is None or not (folder / "model_index.json").is_file() or (config.resolution is None
+                                                                         and config.adapter is None):
         return
     cls = detect_family(config).policy_class()
-    expected = cls.trained_network_names(json.loads((folder / "model_index.json").read_text()))
-    _, parts = adapter_files(find_local(config.adapter) or config.adapter)
-    if set(parts) != expected:
-        raise ValueError(cls.adapter_mismatch(config.adapter, parts, expected))
+    files = [folder / part / "config.json" for part in ("vae", "transformer")]
+    if config.resolution is not None and all(f.is_file() for f in files):
+        vae, transformer = (json.loads(f.read_text()) for f in files)
+        cls.check_resolution(config.resolution, cls.pixel_multiple(vae, transformer))
+    if config.adapter is not None:
+        expected = cls.trained_network_names(json.loads((folder / "model_index.json").read_text()))
+        _, parts = adapter_files(find_local(config.adapter) or config.adapter)
+        if set(parts) != expected:
+            raise ValueError(cls.adapter_mismatch(config.adapter, parts, expected))
 
 
 def policy_class(config: PolicyConfig) -> type[Policy]:
@@ -142,6 +134,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["DTYPES", "FAMILIES", "Family", "Policy", "PolicyConfig", "build_policy", "check_adapter_in_folder",
-           "check_family", "check_resolution_in_folder", "detect_family",
-           "family_for_pipeline_class", "policy_class", "register_family"]
+__all__ = ["DTYPES", "FAMILIES", "Family", "Policy", "PolicyConfig", "build_policy", "check_against_folder",
+           "check_family", "detect_family", "family_for_pipeline_class", "policy_class", "register_family"]

@@ -41,7 +41,8 @@ Contract details the engine relies on:
   shift instead of the scheduler's.
 * ``guided``: whether ``cond`` carries the negative branch (CFG with two forwards).
 * ``pipeline_class``: the diffusers pipeline class (``save_lora_weights`` / ``load_lora_weights``).
-* ``setup`` must set ``self.resolution`` (pixels; callbacks size their grids from it) and check it.
+* ``setup`` must set ``self.resolution`` (pixels; callbacks size their grids from it); the base then checks it
+  against ``pixel_multiple`` (set ``packing`` for 1x1 patches of 2x2-packed latents).
   Read guidance from ``self.config.guidance_scale`` at call time (evaluation changes it temporarily).
 * Several networks (Wan2.2's two experts): ``expert_names`` / ``expert_index(times)`` say which runs at each step
   (windows are cut where it changes: ``expert_starts``; ``RoutingStats`` logs per expert), ``sharded_networks()``
@@ -168,10 +169,9 @@ class PolicyConfig:
         resolve_path(self.pretrained, "policy.pretrained", hub=True)
         if self.adapter is not None:
             adapter_format(find_local(self.adapter) or resolve_path(self.adapter, "policy.adapter", kind="folder or file"))
-        from jagg_lightning.policies import check_adapter_in_folder, check_resolution_in_folder
+        from jagg_lightning.policies import check_against_folder
 
-        check_resolution_in_folder(self)
-        check_adapter_in_folder(self)
+        check_against_folder(self)
 
 
 def add_lora(policy, network: nn.Module, shape: dict, seed: int, dtype: torch.dtype) -> None:
@@ -221,6 +221,7 @@ class Policy(nn.Module):
         object.__setattr__(self, "_pipeline", pipeline)
         self.scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config)
         self.setup(pipeline)
+        self.check_resolution(self.resolution, self.pixel_multiple(self.vae.config, self.transformer.config))
         for module in self.frozen_modules():
             module.requires_grad_(False)
             module.eval()
@@ -362,9 +363,10 @@ class Policy(nn.Module):
         return factor * int(patch[-1] if isinstance(patch, (list, tuple)) else patch)
 
     @staticmethod
-    def check_resolution(resolution: int, multiple: int, why: str = "the VAE factor x the patch side") -> None:
+    def check_resolution(resolution: int, multiple: int) -> None:
         if resolution % multiple:
-            raise ValueError(f"policy.resolution must be a multiple of {multiple} ({why}), got {resolution}")
+            raise ValueError(f"policy.resolution must be a multiple of {multiple} (the VAE factor x the patch side), "
+                             f"got {resolution}")
 
     # the names of the networks a sampling step may run on, in expert-index order (Wan2.2: "high_noise",
     # "low_noise"); empty for a family with one network. Per-expert statistics (``RoutingStats``) use them.

@@ -129,7 +129,6 @@ class FluxPolicy(Policy):
         native = self.vae.config.get("sample_size") or pipeline.default_sample_size * self.vae_scale_factor
         native = native if isinstance(native, int) else native[0]
         self.resolution = self.config.resolution or native
-        self.check_resolution(self.resolution, self.pixel_multiple(self.vae.config, self.transformer.config))
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:

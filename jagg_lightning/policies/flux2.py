@@ -147,7 +147,6 @@ class Flux2Policy(Policy):
         # the VAE's sample size (the twin's 32 px); the pipeline's default (1024 px) otherwise
         native = self.vae.config.get("sample_size") or pipeline.default_sample_size * self.vae_scale_factor
         self.resolution = self.config.resolution or (native if isinstance(native, int) else native[0])
-        self.check_resolution(self.resolution, self.pixel_multiple(self.vae.config, self.transformer.config))
 
     # ------------------------------------------------------------------ shapes and schedule
     @property

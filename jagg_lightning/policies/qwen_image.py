@@ -177,7 +177,6 @@ class QwenImagePolicy(Policy):
         # None: the tiny twin's 32 px, or the pipeline's default (1024 px for Qwen-Image)
         native = 32 if self.config.pretrained is None else pipeline.default_sample_size * self.vae_scale_factor
         self.resolution = self.config.resolution or native
-        self.check_resolution(self.resolution, self.pixel_multiple(self.vae.config, self.transformer.config))
 
     # ------------------------------------------------------------------ shapes and schedule
     @property

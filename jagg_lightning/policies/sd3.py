@@ -132,7 +132,6 @@ class SD3Policy(Policy):
         self.latent_channels = self.transformer.config.in_channels
         native = self.transformer.config.sample_size * self.vae_scale_factor
         self.resolution = native if self.config.resolution is None else self.config.resolution
-        self.check_resolution(self.resolution, self.pixel_multiple(self.vae.config, self.transformer.config))
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:

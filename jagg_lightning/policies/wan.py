@@ -121,7 +121,6 @@ class WanPolicy(Policy):
         self.temporal, self.spatial = pipeline.vae_scale_factor_temporal, pipeline.vae_scale_factor_spatial
         native = 32 if self.config.pretrained is None else 480  # the twin's; Wan2.1-1.3B's 480p (square here)
         self.resolution = self.config.resolution or native
-        self.check_resolution(self.resolution, self.pixel_multiple(self.vae.config, self.transformer.config))
         frames = self.config.num_frames or (TINY_FRAMES if self.config.pretrained is None else 81)
         if (frames - 1) % self.temporal:
             raise ValueError(f"policy.num_frames must be {self.temporal} k + 1 (the VAE's temporal compression), "

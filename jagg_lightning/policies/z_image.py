@@ -116,7 +116,6 @@ class ZImagePolicy(Policy):
         # the VAE's sample size (the FLUX.1 VAE Z-Image ships: 1024; the twin's: 32); the pipeline's 1024 without one
         native = self.vae.config.get("sample_size") or 1024
         self.resolution = self.config.resolution or (native if isinstance(native, int) else native[0])
-        self.check_resolution(self.resolution, self.pixel_multiple(self.vae.config, self.transformer.config))
 
     # ------------------------------------------------------------------ shapes and schedule
     @property
