@@ -1,7 +1,7 @@
 """What a plain ``jagg`` run does not print: Lightning's info chatter and warnings known to be harmless here.
 
 Called by the console entry point only (a library user's own warnings and logging stay theirs). Each filter says
-why the warning does not apply; ``tests/test_first_hour.py`` runs the main job and allows no other warning line
+why the warning does not apply; ``tests/cli/test_first_hour.py`` runs the main job and allows no other warning line
 than ``ALLOWED_STDERR`` (docs/configuration.md, "What a run prints").
 """
 

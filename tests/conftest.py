@@ -1,4 +1,17 @@
+"""Shared test setup: offline hubs, the CPU threads, ``tests/support`` on the import path, and the random seed.
+
+Tests are in folders by topic (``unit/``, ``families/``, ``training/``, ``rewards/``, ``cli/``, ``distributed/``);
+their shared builders are in ``support/``. Markers (setup.cfg): ``slow`` (more than a few seconds),
+``subprocess`` (launches Python or ``jagg`` processes), ``distributed`` (several ranks). The developer loop is
+``python -m pytest -m "not slow"``; the README's command runs everything.
+
+``rng_seed`` gives a fresh random seed per test; a failing test prints it, and ``JAGG_TEST_SEED=<seed>`` replays
+it (every test that takes ``rng_seed`` then gets that seed).
+"""
+
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,11 +20,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+
+from helpers import SEED_VARIABLE, fresh_seed  # noqa: E402 (tests/support is on the path from here on)
 
 
 @pytest.fixture
-def rng_seed():
-    """A fresh seed per test run; printed on failure by pytest's captured output."""
-    seed = int.from_bytes(os.urandom(4), "little")
+def rng_seed(request):
+    """A fresh random seed per test (or ``JAGG_TEST_SEED``'s); a failure report says how to replay it."""
+    seed = fresh_seed()
+    request.node.user_properties.append(("rng_seed", seed))
     print(f"seed={seed}")
     return seed
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    seed = dict(item.user_properties).get("rng_seed")
+    if report.failed and seed is not None:
+        report.sections.append(("replay", f"{SEED_VARIABLE}={seed} python -m pytest '{item.nodeid}'"))
+    return report

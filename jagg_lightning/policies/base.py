@@ -51,8 +51,8 @@ Contract details the engine relies on:
   and its part of ``policy.adapter``).
 * Available to a family: ``self.config`` (the PolicyConfig), ``self._pipeline`` (kept outside the module
   tree, for its ``encode_prompt``), ``self.scheduler`` (a copy), ``self.lora_targets`` (effective).
-* Tests: add a ``FamilyCase`` to tests/families.py and tests/test_families.py runs on the new twin, or
-  give the family its own test file as tests/test_family_qwen_image.py (docs/model_families.md).
+* Tests: add a ``FamilyCase`` to tests/support/family_cases.py and tests/families/test_families.py runs on the new twin, or
+  give the family its own test file as tests/families/test_family_qwen_image.py (docs/model_families.md).
 """
 
 from __future__ import annotations

@@ -1,0 +1,171 @@
+"""A newcomer's first hour (issue 18), as subprocesses of the real `jagg` CLI: the main job from another working
+directory, then its exported adapter evaluated and sampled, in PEFT and diffusers format."""
+
+import csv
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jagg_lightning.quiet import unexpected_lines
+
+ROOT = Path(__file__).resolve().parents[2]
+DIGITS = ROOT / "configs" / "digits.yaml"
+
+
+def jagg(*args, cwd, timeout=300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.run([sys.executable, "-m", "jagg_lightning", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def readme_blocks(language: str) -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return re.findall(rf"```{language}\n(.*?)```", text, re.S)
+
+
+def readme_commands() -> dict[str, list[str]]:
+    """The `jagg` commands of README's shell blocks, by subcommand, as argument lists."""
+    found: dict[str, list[str]] = {}
+    for block in readme_blocks("bash"):
+        for command in (part.strip() for line in block.splitlines() for part in line.split("&&")):
+            if command.startswith("jagg "):
+                args = command.split()[1:]
+                found.setdefault(args[0], args)
+    return found
+
+
+def table_value(stdout: str, key: str) -> float:
+    """A metric from the table `jagg validate` prints."""
+    match = re.search(re.escape(key) + r"\s*│\s*([-0-9.e]+)", stdout)
+    assert match, stdout[-2000:]
+    return float(match.group(1))
+
+
+@pytest.fixture(scope="module")
+def digits_fit(tmp_path_factory):
+    """`jagg fit --config configs/digits.yaml` for 2 steps, run from a directory that is not the repository."""
+    cwd = tmp_path_factory.mktemp("elsewhere")
+    (cwd / "configs").symlink_to(ROOT / "configs")  # README's `--config configs/digits.yaml`; nothing else is here
+    assert readme_commands()["fit"] == ["fit", "--config", "configs/digits.yaml"]
+    proc = jagg(*readme_commands()["fit"], "--trainer.max_steps", 2, cwd=cwd)  # README's main job, 2 steps
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(cwd / "outputs/digits/lightning_logs/version_0/metrics.csv")))
+    evals = [r for r in rows if r.get("val/digit_reward")]
+    return cwd, evals, proc
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_main_job_runs_from_another_directory(digits_fit):
+    cwd, evals, proc = digits_fit
+    assert unexpected_lines(proc.stderr) == []  # quiet: no warning or info line outside quiet.ALLOWED_STDERR
+    assert "step: 2/2" in proc.stdout and "Epoch 0/-2" not in proc.stdout and "v_num" not in proc.stdout
+    assert [int(r["step"]) for r in evals] == [0, 2]  # held-out accuracy at the start and the end of fit
+    assert (cwd / "outputs/digits/lora/final/peft/adapter_model.safetensors").is_file()
+    assert (cwd / "outputs/digits/lora/final/diffusers/pytorch_lora_weights.safetensors").is_file()
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("part", ["", "peft", "diffusers"])
+def test_validate_an_exported_adapter_reproduces_what_fit_logged(digits_fit, part):
+    cwd, evals, _ = digits_fit
+    if part == "":  # README's command as written
+        proc = jagg(*readme_commands()["validate"], cwd=cwd)
+    else:
+        proc = jagg("validate", "--config", DIGITS, "--model.policy.adapter", cwd / "outputs/digits/lora/final" / part,
+                    "--trainer.logger", "false", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "untrained base model" not in proc.stderr
+    reward = table_value(proc.stdout, "val/digit_reward")
+    accuracy = table_value(proc.stdout, "val/digit_accuracy")
+    final, base = evals[-1], evals[0]
+    # the fit's last evaluation is of the exported weights: same prompts, seeds and batch shapes -> same numbers
+    assert reward == pytest.approx(float(final["val/digit_reward"]), rel=1e-6, abs=1e-7)
+    assert accuracy == pytest.approx(float(final["val/digit_accuracy"]), abs=1e-7)
+    # ... and not the base model's (an adapter that was not loaded would show these)
+    assert abs(reward - float(base["val/digit_reward"])) > 1e-4
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_predict_with_an_adapter_says_what_it_wrote_and_base_sampling_is_announced(digits_fit, tmp_path):
+    cwd, _, _ = digits_fit
+    proc = jagg(*readme_commands()["predict"], cwd=cwd)  # README's command as written
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = sorted((cwd / "outputs/digits/predictions").glob("*.png"))
+    assert len(files) == 30  # the 30 held-out prompts, one sample each
+    assert "wrote 30 images to outputs/digits/predictions/" in proc.stdout
+    assert "untrained base model" not in proc.stderr
+    base = jagg("predict", "--config", DIGITS, "--trainer.default_root_dir", tmp_path / "base",
+                "--data.predict_prompts", "[a handwritten seven]", cwd=cwd)
+    assert base.returncode == 0, base.stderr[-3000:]
+    assert "no --ckpt_path and no --model.policy.adapter: sampling the untrained base model" in base.stderr
+    assert "wrote 1 images" in base.stdout
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_training_can_start_from_an_adapter(digits_fit, tmp_path):
+    """The adapter's weights are the starting point: step 0's held-out evaluation equals the adapter's."""
+    cwd, evals, _ = digits_fit
+    proc = jagg("fit", "--config", DIGITS, "--model.policy.adapter", cwd / "outputs/digits/lora/final/diffusers",
+                "--trainer.max_steps", 1, "--trainer.default_root_dir", tmp_path, "--trainer.logger.init_args.save_dir",
+                tmp_path, "--lora_export.dirpath", tmp_path / "lora", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "lightning_logs/version_0/metrics.csv")))
+    first = next(r for r in rows if r.get("val/digit_reward"))
+    assert int(first["step"]) == 0
+    assert float(first["val/digit_reward"]) == pytest.approx(float(evals[-1]["val/digit_reward"]), rel=1e-6)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_readme_python_snippets_run_as_written(digits_fit, tmp_path, monkeypatch):
+    """README's drop-in snippet (max_steps shortened to 1) and its diffusers / peft loading snippet, on the
+    adapter the main job exported."""
+    import torch
+
+    train, load = readme_blocks("python")
+    assert "max_steps=60" in train
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(train.replace("max_steps=60", "max_steps=1"), "README.md (drop-in)", "exec"), scope)
+    assert scope["trainer"].global_step == 1 and (tmp_path / "lora/final/peft/adapter_config.json").is_file()
+
+    cwd, _, _ = digits_fit
+    monkeypatch.chdir(cwd)
+    scope = {}
+    exec(compile(load, "README.md (loading)", "exec"), scope)
+    [image] = scope["images"]
+    assert image.size == (32, 32)
+    # the peft-merged transformer carries the trained adapter: its weights differ from the shipped base
+    from diffusers import SD3Transformer2DModel
+    from jagg_lightning.testbed import PIPELINE_DIR
+
+    base = SD3Transformer2DModel.from_pretrained(PIPELINE_DIR, subfolder="transformer")
+    merged = scope["transformer"]
+    name = "transformer_blocks.0.attn.to_q.weight"
+    assert not torch.equal(dict(merged.named_parameters())[name], dict(base.named_parameters())[name])
+
+
+def test_configuration_page_lists_every_registered_reward_and_callback():
+    import inspect
+
+    import lightning as L
+
+    import jagg_lightning.callbacks as callbacks
+    from jagg_lightning.callbacks.progress import StepProgressBar
+    from jagg_lightning.rewards import REWARDS
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    for name in REWARDS:
+        assert f"`{name}`" in page, name
+    classes = [getattr(callbacks, n) for n in callbacks.__all__ if inspect.isclass(getattr(callbacks, n))]
+    for cls in [*classes, StepProgressBar]:
+        if issubclass(cls, L.Callback):
+            assert f"`{cls.__name__}`" in page, cls.__name__

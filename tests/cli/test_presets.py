@@ -1,0 +1,78 @@
+"""Every model preset builds everything but the weights (no download), and holds the reference numbers."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from jagg_lightning.assets import find_local, looks_local
+from jagg_lightning.cli import cli_main
+from jagg_lightning.module import JAGGModule
+from jagg_lightning.policies import FAMILIES, detect_family
+
+ROOT = Path(__file__).resolve().parents[2]
+PRESETS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+
+# where the numbers come from is written in each preset's header
+REFERENCE = {
+    "sd35_medium.yaml": {"family": "sd3", "num_steps": 10, "noise_level": 0.7, "lora_rank": 32, "lora_alpha": 64,
+                         "guidance_scale": 4.5, "adv_std": "global", "kl_beta": 0.04},
+    "flux_dev.yaml": {"family": "flux", "num_steps": 6, "noise_level": 0.9, "lora_rank": 64, "lora_alpha": 128,
+                      "guidance_scale": 3.5, "kl_beta": 0.0, "dtype": "bfloat16", "precision": "bf16-true"},
+    "qwen_image.yaml": {"family": "qwen_image", "num_steps": 10, "noise_level": 1.2, "lora_rank": 64, "lora_alpha": 128,
+                        "guidance_scale": 4.0, "kl_beta": 0.0, "dtype": "bfloat16", "precision": "bf16-true",
+                        "window_size": 5},
+    # Flow-GRPO's pickscore_sd3_fast_nocfg
+    "sd35_medium_fast.yaml": {"family": "sd3", "num_steps": 10, "noise_level": 0.8, "lora_rank": 32, "lora_alpha": 64,
+                              "guidance_scale": 1.0, "train_guidance_scale": 1.0, "eval_guidance_scale": 1.0,
+                              "step_kind": "cps", "sde_window_size": 3, "sde_window_range": [0, 5],
+                              "clip_range": 1e-5, "kl_beta": 0.0, "adv_std": "global", "group_size": 18},
+    # Flow-Factory's flux2_klein_base / z_image / z_image_turbo LoRA recipes (Z-Image's guidance is the pipeline's + 1)
+    "flux2_klein.yaml": {"family": "flux2", "num_steps": 8, "noise_level": 0.7, "lora_rank": 64, "lora_alpha": 128,
+                         "guidance_scale": 4.0, "kl_beta": 0.0, "clip_range": 1e-4, "adv_std": "group", "group_size": 16,
+                         "dtype": "bfloat16", "precision": "bf16-true", "sde_window_size": 3,
+                         "sde_window_range": [1, 4], "window_size": 3},
+    "z_image.yaml": {"family": "z_image", "num_steps": 10, "noise_level": 0.7, "lora_rank": 64, "lora_alpha": 128,
+                     "guidance_scale": 5.0, "eval_guidance_scale": 5.0, "kl_beta": 0.0, "clip_range": 1e-4,
+                     "adv_std": "group", "group_size": 16, "dtype": "float32", "precision": "bf16-mixed",
+                     "sde_window_size": 3, "sde_window_range": [1, 4], "window_size": 3},
+    "z_image_turbo.yaml": {"family": "z_image", "num_steps": 6, "guidance_scale": 1.0, "eval_guidance_scale": 1.0,
+                           "noise_level": 0.7, "sde_window_size": 3, "sde_window_range": [1, 4], "window_size": 3},
+}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_builds_everything_but_the_weights(preset, monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)
+    # the reward's weights and the GPU are what this machine lacks; everything else is built as configured
+    args = ["--config", f"configs/{preset}", "--trainer.accelerator", "cpu", "--trainer.logger", "false",
+            "--model.reward", "jpeg_compressibility"]
+    policy = yaml.safe_load((ROOT / "configs" / preset).read_text())["model"]["policy"]
+    if policy.get("pretrained") and looks_local(policy["pretrained"]) and find_local(policy["pretrained"]) is None:
+        # a twin the preset's header says to save first (a missing local folder is refused at once): save one
+        FAMILIES[policy["family"]].policy_class().build_tiny_pipeline(0, torch.float32).save_pretrained(tmp_path / "twin")
+        args += ["--model.policy.pretrained", str(tmp_path / "twin")]
+    cli = cli_main(args, run=False)
+    module = cli.model
+    assert isinstance(module, JAGGModule) and "policy" not in module._modules  # __init__ built no model
+    config = module.policy_config
+    if config.pretrained is not None and find_local(config.pretrained) is None:
+        # a hub model's preset names its family, so detection downloads nothing (a local one is read)
+        assert config.family is not None, f"{preset}: set model.policy.family"
+    family = detect_family(config)
+    policy_class = family.policy_class()
+    # the LoRA targets exist in the family's architecture (its tiny twin has the same module names)
+    twin = policy_class.build_tiny_pipeline(0, torch.float32).transformer
+    names = [name for name, _ in twin.named_modules()]
+    for target in config.lora_targets or policy_class.default_lora_targets:
+        assert any(name == target or name.endswith("." + target) for name in names), f"{preset}: {target}"
+    expected = REFERENCE.get(preset, {})
+    found = {"family": family.name, "num_steps": module.sampling.num_steps, "noise_level": module.sampling.noise_level,
+             "lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha, "guidance_scale": config.guidance_scale,
+             "kl_beta": module.grpo.kl_beta, "dtype": config.dtype, "precision": cli.trainer.precision,
+             "window_size": module.jagg.window_size, "train_guidance_scale": module.sampling.train_guidance_scale,
+             "eval_guidance_scale": module.evaluation.guidance_scale, "step_kind": module.sampling.step_kind,
+             "sde_window_size": module.sampling.sde_window_size, "sde_window_range": module.sampling.sde_window_range,
+             "clip_range": module.grpo.clip_range, "adv_std": module.grpo.adv_std, "group_size": module.sampling.group_size}
+    assert {k: found[k] for k in expected} == expected

@@ -1,0 +1,305 @@
+"""``jagg serve-reward`` as a real subprocess on 127.0.0.1 and RemoteReward against it.
+
+The served reward is a WeightedReward of the digits classifier and JPEG compressibility (prompt-dependent,
+two components, no weights to download). A stdlib HTTP server in a thread stands in for a foreign reward
+server where the test needs answers jagg's own server never gives (503s, a slow answer, a short list).
+"""
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save
+
+from jagg_lightning.rewards import (
+    DigitReward,
+    JpegCompressibility,
+    JpegIncompressibility,
+    RemoteReward,
+    WeightedReward,
+    build_reward,
+)
+from jagg_lightning.rewards.base import RewardError
+from jagg_lightning.rewards.server import serve_main
+from jagg_lightning.rewards.wire import quantize
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN_ENV, TOKEN = "JAGG_TEST_REWARD_TOKEN", "test-token-5f3a"
+SERVED = {"rewards": [{"class_path": "jagg_lightning.rewards.DigitReward", "init_args": {}},
+                      {"class_path": "jagg_lightning.rewards.JpegCompressibility", "init_args": {}}]}
+MAX_BODY_MB = 0.25
+DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+def start_server(*args: str, port: int = 0, env: dict | None = None, log=None) -> tuple[subprocess.Popen, str]:
+    """``python -m jagg_lightning serve-reward`` on 127.0.0.1; returns once its ready line names the URL."""
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                   "OMP_NUM_THREADS": "1", **(env or {})}
+    process = subprocess.Popen([sys.executable, "-m", "jagg_lightning", "serve-reward", *args, "--host", "127.0.0.1",
+                                "--port", str(port)], cwd=REPO, env=environment, stdout=subprocess.PIPE,
+                               stderr=log or subprocess.DEVNULL, text=True)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: lines.put(process.stdout.readline()), daemon=True).start()
+    try:
+        line = lines.get(timeout=60)
+    except queue.Empty:
+        stop(process)
+        raise AssertionError("the reward server printed no ready line within 60 s") from None
+    assert " on http://127.0.0.1:" in line, f"server did not start (exit {process.poll()}): {line!r}"
+    return process, line.split(" on ")[-1].strip()
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.kill()
+    process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with open(tmp_path_factory.mktemp("server") / "stderr.log", "w") as log:
+        process, url = start_server("--reward", "jagg_lightning.rewards.WeightedReward", "--init_args",
+                                    json.dumps(SERVED), "--token_env", TOKEN_ENV, "--max_body_mb", str(MAX_BODY_MB),
+                                    "--max_batch", "16", env={TOKEN_ENV: TOKEN}, log=log)
+        yield url
+        stop(process)
+
+
+@pytest.fixture(scope="module")
+def local():
+    return WeightedReward([DigitReward(), JpegCompressibility()])
+
+
+@pytest.fixture
+def token(monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    return f"env:{TOKEN_ENV}"
+
+
+def batch(seed: int, size: int, side: int = 32):
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.rand(size, 3, side, side, generator=generator)
+    digits = torch.randint(0, 10, (size,), generator=generator).tolist()
+    return images, [f"the number {DIGITS[d]}" if i % 2 else f"a handwritten digit {d}" for i, d in enumerate(digits)]
+
+
+def post(url: str, body: bytes, content_type: str = "application/vnd.safetensors", token: str | None = TOKEN):
+    """A raw request; (status, decoded JSON answer)."""
+    headers = {"Content-Type": content_type, **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(url + "/score", data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("encoding", ["safetensors", "png"])
+def test_served_scores_equal_the_in_process_reward(server, local, token, encoding):
+    images, prompts = batch(0, 6)
+    remote = RemoteReward(server, token=token, encoding=encoding, name="served", retries=0)
+    total, components = remote.score_with_components(images, prompts)
+    expected, expected_components = local.score_with_components(quantize(images), prompts)
+    assert set(components) == {"digits", "jpeg_compressibility"}
+    assert (total - expected).abs().max() < 1e-6
+    for name, values in expected_components.items():
+        assert (components[name] - values).abs().max() < 1e-6
+    assert components["digits"].std() > 0 and total.dtype == torch.float32
+    health = remote.health()
+    assert (health["reward"], health["version"]) == ("weighted", __import__("jagg_lightning").__version__)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_twenty_concurrent_clients_get_their_own_answers(server, local, token):
+    requests = [batch(100 + i, 1 + i % 4) for i in range(20)]
+    expected = [local(quantize(images), prompts) for images, prompts in requests]
+    remote = RemoteReward(server, token=token, retries=0)
+    start = threading.Barrier(20)
+
+    def client(i):
+        start.wait(timeout=30)  # all twenty in flight together
+        return remote(*requests[i])
+
+    with ThreadPoolExecutor(20) as pool:
+        answers = list(pool.map(client, range(20)))
+    for got, want in zip(answers, expected):
+        assert got.shape == want.shape and (got - want).abs().max() < 1e-6
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_refusals_get_the_documented_4xx(server):
+    images = np.zeros((2, 32, 32, 3), np.uint8)
+    good = save({"images": images}, metadata={"prompts": json.dumps(["digit 1", "digit 2"])})
+    assert post(server, good)[0] == 200
+    for token in ("wrong-token", None):
+        status, answer = post(server, good, token=token)
+        assert status == 401 and "bearer token" in answer["error"]
+    huge = save({"images": np.zeros((1, 300, 300, 3), np.uint8)}, metadata={"prompts": json.dumps(["digit 1"])})
+    status, answer = post(server, huge)
+    assert status == 413 and f"limit of {int(MAX_BODY_MB * 2**20)} bytes" in answer["error"]
+    # far over the limit the server closes the connection mid-send: the client still names the limit, at once
+    remote = RemoteReward(server, token=f"{TOKEN}", retries=3, backoff=5.0)
+    started = time.monotonic()
+    with pytest.raises(RewardError, match=f"exceeds the server's limit of {int(MAX_BODY_MB * 2**20)} bytes"):
+        remote(torch.rand(8, 3, 512, 512), ["digit 1"] * 8)
+    assert time.monotonic() - started < 5.0
+    cases = [  # (body, content type, status, words the message must hold)
+        (save({"images": images.transpose(0, 3, 1, 2).copy()}, metadata={"prompts": json.dumps(["1", "2"])}),
+         "application/vnd.safetensors", 422, "shape [B, H, W, 3] (RGB, channels last), got [2, 3, 32, 32]"),
+        (save({"images": images.astype(np.float32)}, metadata={"prompts": json.dumps(["1", "2"])}),
+         "application/vnd.safetensors", 422, "dtype U8"),
+        (save({"images": images}, metadata={"prompts": json.dumps(["1", "2", "3"])}),
+         "application/vnd.safetensors", 422, "got 2 images but 3 prompts"),
+        (save({"images": np.zeros((17, 8, 8, 3), np.uint8)}, metadata={"prompts": json.dumps(["1"] * 17)}),
+         "application/vnd.safetensors", 422, "1 to 16 images (the server's --max_batch), got 17"),
+        (json.dumps({"prompts": ["1"], "images": ["bm90IGEgcG5n"]}).encode(), "application/json", 400,
+         "images[0] is not a base64-encoded PNG"),
+        (b"\x00" * 16, "application/vnd.safetensors", 400, "not a safetensors file"),
+        (good, "text/plain", 415, "Content-Type must be"),
+        (save({"images": images}, metadata={"prompts": json.dumps(["a cat", "digit 2"])}),
+         "application/vnd.safetensors", 422, "prompt 'a cat' names no digit"),
+    ]
+    for body, content_type, want_status, words in cases:
+        status, answer = post(server, body, content_type)
+        assert (status, words in answer["error"]) == (want_status, True), (status, answer, words)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_remote_reward_is_a_reward_like_any_other(server, token):
+    images, prompts = batch(7, 4)
+    inner = RemoteReward(server, token=token, name="served", retries=0)
+    combined = WeightedReward([inner, JpegIncompressibility()], weights=[1.0, 0.5])
+    total, components = combined.score_with_components(images, prompts)
+    assert set(components) == {"served", "jpeg_incompressibility"}
+    assert torch.allclose(total, components["served"] + 0.5 * components["jpeg_incompressibility"])
+    rebuilt = build_reward(combined.describe())  # the env: form of the token is what is recorded
+    assert (rebuilt(images, prompts) - total).abs().max() < 1e-6
+    assert "not_rebuildable" in RemoteReward(server, token=TOKEN).describe()  # a literal secret is never recorded
+    started = time.monotonic()
+    with pytest.raises(RewardError, match=r"refused the request: HTTP 422: .*prompt 'a cat' names no digit"):
+        RemoteReward(server, token=token, retries=3, backoff=5.0)(images, ["a cat"] * 4)
+    assert time.monotonic() - started < 5.0  # a 4xx is answered at once, never retried
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_client_retries_then_stops_with_one_line_when_the_server_dies(tmp_path):
+    process, url = start_server("--reward", "jpeg_compressibility")
+    images, prompts = batch(3, 2)
+    remote = RemoteReward(url, retries=2, backoff=0.2, timeout=5)
+    try:
+        first = remote(images, prompts)
+        # a reward that rounds to 8 bits itself (through PIL or like it) sees no difference at all
+        assert torch.equal(first, JpegCompressibility()(images, prompts))
+    finally:
+        stop(process)
+    started = time.monotonic()
+    with pytest.raises(RewardError) as failure:
+        remote(images, prompts)
+    message = str(failure.value)
+    assert "\n" not in message and f"{url}/score failed 3 attempt(s)" in message and "ConnectionRefusedError" in message
+    assert time.monotonic() - started >= 0.2 + 0.4  # the two backoffs were waited
+
+    # a server restarted on the same port while the client is still retrying: the run carries on
+    port = int(url.rsplit(":", 1)[1])
+    patient = RemoteReward(url, retries=40, backoff=0.25, timeout=5)
+    result = {}
+    waiting = threading.Thread(target=lambda: result.update(scores=patient(images, prompts)))
+    waiting.start()
+    process, _ = start_server("--reward", "jpeg_compressibility", port=port)
+    try:
+        waiting.join(timeout=60)
+        assert torch.equal(result["scores"], first)
+    finally:
+        stop(process)
+
+
+class Foreign(BaseHTTPRequestHandler):
+    """A foreign reward server scripted per test: ``script`` is a list of (status, delay_s, body) answers."""
+
+    script: ClassVar[list] = []
+    seen: ClassVar[list] = []
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        status, delay, body = self.script[min(len(self.seen), len(self.script) - 1)]
+        self.seen.append(status)
+        time.sleep(delay)
+        data = json.dumps(body).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def foreign():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Foreign)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_timeouts_and_5xx_are_retried_bad_answers_refused(foreign):
+    images, prompts = batch(5, 3)
+    good = {"scores": [0.5, 1.0, 1.5]}
+    Foreign.seen, Foreign.script = [], [(503, 0, {"error": "busy"}), (200, 1.0, good), (200, 0, good)]
+    scores = RemoteReward(foreign, retries=2, backoff=0.05, timeout=0.3)(images, prompts)
+    assert scores.tolist() == [0.5, 1.0, 1.5] and len(Foreign.seen) == 3  # 503, timeout, answer
+
+    Foreign.seen, Foreign.script = [], [(500, 0, {"error": "model fell over"})]
+    failed = rf"{foreign}/score failed 2 attempt\(s\).*last status: HTTP 500: model fell over"
+    with pytest.raises(RewardError, match=failed):
+        RemoteReward(foreign, retries=1, backoff=0.05)(images, prompts)
+    assert len(Foreign.seen) == 2
+
+    for body, words in (({"scores": [0.5, 1.0]}, "returned 2 scores for 3 images"),
+                        ({"scores": [0.5, float("nan"), 1.0]}, "non-finite"),
+                        ({"scores": [0.5, 1.0, 1.5], "components": {"a": [1, 2, float("inf")]}}, "non-finite"),
+                        ({"score": [0.5, 1.0, 1.5]}, "scores must be a list of numbers")):
+        Foreign.seen, Foreign.script = [], [(200, 0, body)]
+        with pytest.raises(RewardError, match=words):
+            RemoteReward(foreign, retries=0)(images, prompts)
+
+
+def test_bad_arguments_fail_before_anything_is_built(capsys, monkeypatch):
+    monkeypatch.delenv("JAGG_UNSET_TOKEN", raising=False)
+    for argv, words in ((["--reward", "nope"], "must be one of"),
+                        (["--reward", "ocr", "--init_args", "[1]"], "--init_args must be a JSON object"),
+                        (["--reward", "ocr", "--max_batch", "0"], "--max_batch must be >= 1, got 0"),
+                        (["--reward", "ocr", "--token_env", "JAGG_UNSET_TOKEN"], "JAGG_UNSET_TOKEN"),
+                        (["--reward", "ocr", "--port", "70000"], "--port must be in [0, 65535]")):
+        assert serve_main(argv) == 2
+        assert words in capsys.readouterr().err
+    for kwargs, words in (({"url": "127.0.0.1:8000"}, "url must start with http://"),
+                          ({"url": "http://x", "timeout": 0}, "timeout must be > 0"),
+                          ({"url": "http://x", "retries": -1}, "retries must be an integer >= 0"),
+                          ({"url": "http://x", "encoding": "pickle"}, "encoding must be one of"),
+                          ({"url": "http://x", "token": "env:JAGG_UNSET_TOKEN"}, "JAGG_UNSET_TOKEN is unset")):
+        with pytest.raises(ValueError, match=words):
+            RemoteReward(**kwargs)

@@ -1,0 +1,69 @@
+"""Shared builders for tests on the real tiny SD3 (diffusers transformer + peft LoRA)."""
+
+import os
+
+import torch
+
+from jagg_lightning.grpo import StepRecord, step_loss
+from jagg_lightning.policies import PolicyConfig
+from jagg_lightning.policies.sd3 import SD3Policy
+
+SEED_VARIABLE = "JAGG_TEST_SEED"
+
+
+def fresh_seed(bits: int = 32) -> int:
+    """A fresh random seed of ``bits`` bits, or ``JAGG_TEST_SEED``'s value (to replay one a failure printed)."""
+    value = os.environ.get(SEED_VARIABLE)
+    if value is None:
+        return int.from_bytes(os.urandom(bits // 8), "little")
+    if not value.isdigit():
+        raise ValueError(f"{SEED_VARIABLE} must be a non-negative integer (a seed a failing test printed), got {value!r}")
+    return int(value) % (1 << bits)
+
+
+TINY_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                "attn.add_v_proj", "attn.to_add_out", "proj_out"]
+
+
+def tiny_policy_config(**overrides) -> PolicyConfig:
+    kw = dict(lora_rank=4, lora_alpha=8, lora_targets=TINY_TARGETS, guidance_scale=1.0, max_sequence_length=4)
+    kw.update(overrides)
+    return PolicyConfig(**kw)
+
+
+def randomize_lora_b(transformer, generator, scale=0.05):
+    """peft's gaussian init leaves B = 0 (so dL/dA = 0): make both factors nonzero."""
+    with torch.no_grad():
+        for name, p in transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(scale * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+
+
+def lora_grads(policy):
+    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in policy.lora_parameters()]
+
+
+def rel_error(a, b):
+    num = sum(((x - y) ** 2).sum() for x, y in zip(a, b)) ** 0.5
+    den = sum((y**2).sum() for y in b) ** 0.5
+    return float(num / den)
+
+
+def exact_per_step_gradient(policy, traj, cond, advantages, steps, kind="sde", noise_level=0.7, clip_range=1e-4,
+                            kl_beta=0.0, ref_v=None, scale=1.0):
+    """The straightforward reference: one forward with grad and one backward per trained step."""
+    policy.transformer.zero_grad(set_to_none=True)
+    n = traj.latents.shape[1]
+    for k in steps:
+        v = policy.velocity(traj.latents[k], traj.times[k].expand(n), cond)
+        rec = StepRecord(traj.latents[k], traj.latents[k + 1], float(traj.times[k]), float(traj.times[k + 1]),
+                         traj.log_probs[k], advantages, None if ref_v is None else ref_v[k])
+        loss, _ = step_loss(v, rec, kind, noise_level, clip_range, kl_beta)
+        (loss.mean() * scale / len(steps)).backward()
+    return lora_grads(policy)
+
+
+def build_policy(generator, **overrides) -> SD3Policy:
+    policy = SD3Policy(tiny_policy_config(**overrides))
+    randomize_lora_b(policy.transformer, generator)
+    return policy

@@ -1,0 +1,52 @@
+"""Launch a test script on several CPU processes the way ``torchrun`` does (its environment variables),
+without pytest in the ranks: plain ``ddp`` inside pytest would re-run the whole test session in every rank."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def search_path() -> str:
+    """PYTHONPATH for a script the tests launch: the project root, tests/support and every test folder (rank
+    scripts import their own test module's constants)."""
+    folders = [TESTS.parent, TESTS / "support", *sorted(p for p in TESTS.iterdir() if p.is_dir() and p.name not in
+                                                           ("support", "fixtures", "__pycache__"))]
+    return os.pathsep.join([*map(str, folders), os.environ.get("PYTHONPATH", "")])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(script: Path, *args: str, world: int = 2, timeout: float = 120, cwd: Path | None = None) -> list[str]:
+    """Run ``python script args...`` as ``world`` ranks of one job; returns each rank's stdout.
+
+    Every rank gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+    MASTER_ADDR, MASTER_PORT), so Lightning uses its TorchElasticEnvironment and launches nothing itself.
+    """
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+               LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", OMP_NUM_THREADS="1", PYTHONPATH=search_path())
+    procs = [
+        subprocess.Popen([sys.executable, str(script), *args], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+        for r in range(world)
+    ]
+    outputs, failed = [], []
+    try:
+        for r, p in enumerate(procs):
+            out, err = p.communicate(timeout=timeout)
+            outputs.append(out)
+            if p.returncode != 0:
+                failed.append(f"rank {r} exited {p.returncode}:\n{err[-4000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert not failed, "\n".join(failed)
+    return outputs
