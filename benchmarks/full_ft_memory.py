@@ -25,7 +25,7 @@ def nbytes(tensors) -> int:
 
 
 def measure(pretrained, trainable: str, dtype: str) -> dict:
-    from jagg_lightning.module import SamplingConfig
+    from jagg_lightning import SamplingConfig
     from jagg_lightning.policies import PolicyConfig, build_policy
     from jagg_lightning.reference import attach_reference
     from jagg_lightning.sampler import Sampler

@@ -39,7 +39,8 @@ import time
 import torch
 
 from jagg_lightning.grpo import StepRecord, step_loss
-from jagg_lightning.jagg import accumulate_gradients, interpolation_residual, plan_windows, route_windows
+from jagg_lightning.jagg import accumulate_gradients, plan_windows
+from jagg_lightning.routing import interpolation_residual, route_windows
 from jagg_lightning.rollout import sample_generators, sample_trajectories
 from jagg_lightning.sde import flow_match_sigmas
 

@@ -55,7 +55,7 @@ def measure(seed: int, train_steps: int) -> dict:
     trainer.fit(module, PromptDataModule(prompts=prompts, batch_size=4, seed=seed))
 
     batch = [prompts[(7 * seed + i) % len(prompts)] for i in range(4)]
-    with module.training_guidance(), torch.no_grad():
+    with torch.no_grad():  # the sampler holds the training guidance
         plan = module.plan = plan_rollout(module.sampling, module.jagg, 10_000 + seed)
         module.windows = plan.windows
         traj, cond, _, rewards, _ = module.sampler.rollout_and_score(batch, list(range(4)), 10_000 + seed,
@@ -74,11 +74,10 @@ def measure(seed: int, train_steps: int) -> dict:
     diff = (interp.ref_velocities - exact_ref)[interior].flatten(2).norm(dim=-1)
     rel_ref = float((diff / exact_ref[interior].flatten(2).norm(dim=-1)).mean())
     rel_kl = float((diff / (traj.velocities - exact_ref)[interior].flatten(2).norm(dim=-1)).mean())
-    with module.training_guidance():
-        g_exact = update_gradient(module, traj, cond, advantages, exact_ref)
-        g_interp = update_gradient(module, traj, cond, advantages, interp.ref_velocities)
-        kl_exact = update_gradient(module, traj, cond, advantages, exact_ref, policy_term=False)
-        kl_interp = update_gradient(module, traj, cond, advantages, interp.ref_velocities, policy_term=False)
+    g_exact = update_gradient(module, traj, cond, advantages, exact_ref)
+    g_interp = update_gradient(module, traj, cond, advantages, interp.ref_velocities)
+    kl_exact = update_gradient(module, traj, cond, advantages, exact_ref, policy_term=False)
+    kl_interp = update_gradient(module, traj, cond, advantages, interp.ref_velocities, policy_term=False)
     cos, err = gradient_agreement(g_interp, g_exact)
     kl_cos, kl_err = gradient_agreement(kl_interp, kl_exact)
     return dict(seed=seed, interior_steps=len(interior), trained_steps=len(plan.trained_steps), ref_rel=rel_ref,

@@ -30,8 +30,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from helpers import randomize_lora_b, tiny_policy_config  # noqa: E402
 
-from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig  # noqa: E402
-from jagg_lightning.passes import reference_steps  # noqa: E402
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig# noqa: E402
 from jagg_lightning.rewards import RemoteReward  # noqa: E402
 from jagg_lightning.rollout import plan_rollout  # noqa: E402
 from jagg_lightning.update import UpdateHooks  # noqa: E402
@@ -70,12 +69,8 @@ def step(module: JAGGModule, reward_clock: list[float]) -> tuple[float, float]:
     sees the same rollout); returns (wall s, process CPU s)."""
     prompts, indices = PROMPTS[: module.bench_prompts], list(range(module.bench_prompts))
     plan = plan_rollout(module.sampling, module.jagg, 0)
-    taken = reference_steps(plan.windows, module.jagg)
     wall, cpu = time.perf_counter(), time.process_time()
-    traj, cond, _, rewards, components = module.sampler.rollout_and_score(
-        prompts, indices, 0, plan.step_kinds, sorted(taken), reward=module.reward_fn)
-    advantages, _ = module.updater.reward_advantages(rewards, components, module.reward_fn)
-    module.updater.unfused(traj, cond, rewards, components, advantages, 0, plan, taken, UpdateHooks())
+    traj = module.updater.step(prompts, indices, 0, plan, module.reward_fn, UpdateHooks()).trajectory
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     for p in module.policy.lora_parameters():
         p.grad = None

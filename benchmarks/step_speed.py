@@ -16,7 +16,7 @@ import time
 import torch
 
 from jagg_lightning.jagg import accumulate_gradients
-from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.policies import PolicyConfig
 
 CONFIGS = {
@@ -47,8 +47,8 @@ def update_once(module: JAGGModule, rollout) -> tuple[float, dict]:
     loss_of_step = module.updater.step_loss_fn(traj, adv, None, 1.0 / len(module.trained_steps), [])
     cache = traj.velocities if module.jagg.cache_interior else None  # theta = theta_old: first update
     start = time.perf_counter()
-    records = accumulate_gradients(module.policy.velocity, traj.latents, traj.times, cond, loss_of_step,
-                                   module.windows, cache, module.jagg.low_memory)
+    records = accumulate_gradients(module.sampler.velocity, traj.latents, traj.times, cond, loss_of_step,
+                                   module.windows, cache, module.memory.anchors == "split")
     elapsed = time.perf_counter() - start
     module.policy.transformer.zero_grad(set_to_none=True)
     counts = {k: sum(getattr(r, k) for r in records) for k in ("backwards", "grad_forwards", "nograd_forwards")}

@@ -118,7 +118,7 @@ def child(args) -> None:
     from lightning.pytorch.callbacks import Callback
 
     from jagg_lightning.data import PromptDataModule
-    from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+    from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
     from jagg_lightning.policies import PolicyConfig
 
     torch.set_num_threads(1)

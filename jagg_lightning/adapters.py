@@ -1,4 +1,5 @@
-"""The adapter's on-disk layout: the one place that knows how a trained LoRA is written.
+"""The LoRA adapter: attaching it to the trained networks (:func:`attach_lora`, from ``policy.adapter`` when given) and
+its on-disk layout, the one place that knows how a trained LoRA is written and read back.
 
 An export directory holds
 
@@ -29,7 +30,12 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
+from jagg_lightning.assets import find_local
+from jagg_lightning.checks import PolicyBuildError
+from jagg_lightning.dtypes import compute_dtype
+from jagg_lightning.export import full_identity
 from jagg_lightning.io import atomic_directory
 from jagg_lightning.sharding import full_tensor
 
@@ -52,8 +58,6 @@ def adapter_identity(policy) -> dict:
     """What a LoRA checkpoint only fits: the family, the base model and the adapter's shape (plain data)."""
     config = policy.config
     if getattr(config, "trainable", "lora") == "full":  # no adapter: what the trained weights are
-        from jagg_lightning.export import full_identity
-
         return full_identity(policy)
     lora = policy.transformer.peft_config["default"]  # what the adapter really is, whatever the config calls it
     pretrained = getattr(config, "pretrained", None)
@@ -203,3 +207,52 @@ def load_adapter_weights(transformer, weights: dict[str, torch.Tensor], field: s
     with torch.no_grad():
         for key, param in by_key.items():
             param.copy_(weights[key].to(param.dtype))
+
+
+def add_lora(policy, network: nn.Module, shape: dict, seed: int, dtype: torch.dtype) -> None:
+    """A peft LoRA of ``shape`` ({"r", "lora_alpha", "target_modules"}) on ``network``, gaussian A (seeded), B = 0,
+    its weights float32 (float64 with float64)."""
+    from diffusers.training_utils import cast_training_params
+    from peft import LoraConfig
+
+    targets = shape["target_modules"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            network.add_adapter(LoraConfig(r=shape["r"], lora_alpha=shape["lora_alpha"], init_lora_weights="gaussian",
+                                           target_modules=targets))
+        except ValueError:  # peft's NoMatchingPeftModuleError and its kin
+            names = [n for n, m in network.named_modules() if isinstance(m, nn.Linear)]
+            raise PolicyBuildError(f"policy.lora_targets {targets!r} match no layer of the {policy.family} "
+                                   f"transformer (its layers are named like {', '.join(names[-3:])})") from None
+    cast_training_params(network, dtype=compute_dtype(dtype))
+
+
+def attach_lora(policy, networks: dict[str, nn.Module], dtype: torch.dtype) -> list[str]:
+    """Give each of ``networks`` (``Policy.trained_networks()``) its peft LoRA: of ``policy.adapter``'s shape and
+    weights when the config names one, else of ``lora_rank`` / ``lora_alpha`` / ``lora_targets`` (null: the family's
+    default targets), seeded seed + 1 for ``transformer``, + 2 for ``transformer_2``. Returns the effective
+    ``target_modules`` of ``transformer``'s LoRA."""
+    config = policy.config
+    targets = list(config.lora_targets if config.lora_targets is not None else policy.default_lora_targets)
+    shape = {"r": config.lora_rank, "lora_alpha": config.lora_alpha, "target_modules": targets}
+    adapters = read_policy_adapters(policy, config.adapter, networks) if config.adapter is not None else {}
+    for i, (name, network) in enumerate(networks.items()):
+        add_lora(policy, network, adapters[name][0] if adapters else shape, config.seed + 1 + i, dtype)
+        if adapters:  # an exported adapter: each network's own shape, then its weights
+            try:
+                load_adapter_weights(network, adapters[name][1])
+            except ValueError as err:
+                raise PolicyBuildError(str(err) if name == "transformer" else f"{err} [{name}]") from None
+    return adapters["transformer"][0]["target_modules"] if adapters else targets
+
+
+def read_policy_adapters(policy, path: str, networks: dict[str, nn.Module]) -> dict:
+    """``policy.adapter``: {network: (shape, weights)} for exactly the networks ``policy`` trains."""
+    try:
+        adapters = read_adapters(find_local(path) or path)
+    except (ValueError, FileNotFoundError) as err:
+        raise PolicyBuildError(str(err)) from None
+    if set(adapters) != set(networks):
+        raise PolicyBuildError(policy.adapter_mismatch(path, adapters, networks))
+    return adapters

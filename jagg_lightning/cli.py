@@ -33,9 +33,8 @@ from jagg_lightning.cli_errors import (
     as_user_field, check_checkpoint_file, check_trainer, command_line_keys, explain_parse_error, flat_keys, one_line,
 )
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.config import check_precision
+from jagg_lightning.checks import PolicyBuildError, check_precision
 from jagg_lightning.module import JAGGModule
-from jagg_lightning.policies.base import PolicyBuildError
 from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.state import CheckpointMismatchError
 from jagg_lightning.quiet import quiet_defaults
@@ -80,24 +79,33 @@ class JAGGCLI(LightningCLI):
     def parse_arguments(self, parser, args) -> None:
         self._argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else sys.argv[1:]
         super().parse_arguments(parser, args)
+        self._resume = self._model_as_given()  # LightningCLI then replaces the model section on --ckpt_path
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(LoRAExport, "lora_export")
 
-    def _parse_ckpt_path(self) -> None:
+    def _model_as_given(self) -> tuple | None:
+        """(subcommand, ckpt_path, the model section as given, its defaults) when resuming from a checkpoint file
+        (a path that is no checkpoint stops here, naming ckpt_path); None otherwise."""
         subcommand = self.config.get("subcommand")
         if not subcommand:
-            return
+            return None
         ckpt_path = self.config[subcommand].get("ckpt_path")
         try:
             check_checkpoint_file(ckpt_path)
         except ValueError as err:
             self._error(str(err))
         if not (ckpt_path and Path(ckpt_path).is_file()):
-            return super()._parse_ckpt_path()
-        user = _leaves(self.config[subcommand].get("model"))
-        defaults = _leaves(self._subcommand_parsers[subcommand].get_defaults().get("model"))
-        super()._parse_ckpt_path()  # the checkpoint's hyper-parameters replace the model section
+            return None
+        return (subcommand, ckpt_path, _leaves(self.config[subcommand].get("model")),
+                _leaves(self._subcommand_parsers[subcommand].get_defaults().get("model")))
+
+    def _apply_resume_overrides(self) -> None:
+        """On ``--ckpt_path`` the checkpoint's hyper-parameters have replaced the model section: put back what the user
+        said that the checkpoint does not depend on, and refuse the rest by name."""
+        if self._resume is None:
+            return
+        subcommand, ckpt_path, user, defaults = self._resume
         restored = _leaves(self.config[subcommand].get("model"))
         # what the user said: values that differ from both the defaults and the checkpoint
         # (or that the command line names, even when it restates a default: --model.policy.lora_alpha 64)
@@ -122,6 +130,7 @@ class JAGGCLI(LightningCLI):
                   + ", ".join(f"model.{k}={v!r}" for k, v in sorted(given.items())), file=sys.stderr)
 
     def before_instantiate_classes(self) -> None:
+        self._apply_resume_overrides()
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
         try:  # LightningCLI builds the model before the datamodule: check both before any model is built
             check_trainer(config.get("trainer"))
@@ -153,57 +162,55 @@ class JAGGCLI(LightningCLI):
         except (ValueError, FileNotFoundError) as err:
             self._error(str(err))
 
-    def _run_subcommand(self, subcommand: str) -> None:
-        try:
-            super()._run_subcommand(subcommand)
-        except PolicyBuildError as err:  # found while the model is built (LoRA targets, adapter): no traceback
-            self._error(str(err))
-        except CheckpointMismatchError as err:  # found when the checkpoint meets the built model
-            self._error(f"ckpt_path {self.config[subcommand].get('ckpt_path')}: {err}")
-        except MisconfigurationException as err:  # Lightning's checks of trainer settings at fit start
-            self._error(f"trainer: {err}")
-
-    def _instantiate_trainer(self, config: dict, callbacks: list):
+    def instantiate_trainer(self, **kwargs):
+        """The Trainer with the crash-safe checkpoint plugin (unless the user gives a CheckpointIO), the step progress
+        bar (unless they give a progress bar) and, for ``predict``, the image writer (unless they give a writer)."""
+        config = dict(self.config_init.get(str(self.subcommand), self.config_init).get("trainer") or {}) | kwargs
         plugins = config.get("plugins")
         plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins.append(AtomicCheckpointIO())
-        config["plugins"] = plugins
+        callbacks = config.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            callbacks.append(StepProgressBar())
+        if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in callbacks):
+            callbacks.append(PredictionImages())  # predictions are images: write them
         try:
-            return self._build_trainer(config, callbacks)
+            return super().instantiate_trainer(**(kwargs | {"plugins": plugins, "callbacks": callbacks}))
         except MisconfigurationException as err:  # a trainer value Lightning refuses
             self._error(f"trainer: {err}")
 
-    def _build_trainer(self, config: dict, callbacks: list):
-        given = config.get("callbacks") or []
-        given = given if isinstance(given, list) else [given]
-        if config.get("enable_progress_bar") is not False and not any(
-                isinstance(c, ProgressBar) for c in [*given, *callbacks]):
-            callbacks = [*callbacks, StepProgressBar()]
-        if self.subcommand == "predict":  # predictions are images: write them unless the user has a writer
-            given = config.get("callbacks") or []
-            given = given if isinstance(given, list) else [given]
-            if not any(isinstance(c, BasePredictionWriter) for c in [*given, *callbacks]):
-                callbacks = [*callbacks, PredictionImages()]
-        return super()._instantiate_trainer(config, callbacks)
-
     def _error(self, message: str) -> None:
-        print(f"jagg: error: {one_line(as_user_field(message))}", file=sys.stderr)
-        raise SystemExit(2)
+        fail(message)
+
+
+def fail(message: str) -> None:
+    """One ``jagg: error:`` line (the field as the user wrote it), exit status 2."""
+    print(f"jagg: error: {one_line(as_user_field(message))}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def cli_main(args=None, run: bool = True) -> JAGGCLI:
-    """``run=False`` parses and builds model, datamodule and trainer without a subcommand (for tests)."""
-    return JAGGCLI(
-        JAGGModule,
-        PromptDataModule,
-        args=args,
-        run=run,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": DESCRIPTION, "version": __version__, "prog": "jagg"},
-        trainer_defaults={"accelerator": "auto", "devices": 1},
-        auto_configure_optimizers=False,  # the module's own model.optimizer sees only the LoRA parameters
-    )
+    """``run=False`` parses and builds model, datamodule and trainer without a subcommand (for tests). What the run
+    itself finds wrong in the configuration stops it with one ``jagg: error:`` line, no traceback."""
+    try:
+        return JAGGCLI(
+            JAGGModule,
+            PromptDataModule,
+            args=args,
+            run=run,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"description": DESCRIPTION, "version": __version__, "prog": "jagg"},
+            trainer_defaults={"accelerator": "auto", "devices": 1},
+            auto_configure_optimizers=False,  # the module's own model.optimizer sees only the LoRA parameters
+        )
+    except PolicyBuildError as err:  # found while the model is built (LoRA targets, adapter)
+        fail(str(err))
+    except CheckpointMismatchError as err:  # found when the checkpoint meets the built model
+        fail(f"ckpt_path {err.ckpt_path}: {err}")
+    except MisconfigurationException as err:  # Lightning's checks of trainer settings at fit start
+        fail(f"trainer: {err}")
 
 
 def set_cpu_threads() -> int:

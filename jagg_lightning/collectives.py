@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from jagg_lightning.dtypes import compute_dtype
+
 
 _CLEANUP_REGISTERED = False
 
@@ -78,7 +80,7 @@ class Collectives:
         concatenation (a parameter without a gradient contributes zeros, so every rank sends the same size)."""
         if self.ddp_model() is None:
             return
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        dtype = compute_dtype(*params)
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().to(dtype) for p in params])
         self.sum(flat).div_(self.trainer.world_size)
         for p, g in zip(params, flat.split([p.numel() for p in params])):

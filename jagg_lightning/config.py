@@ -10,26 +10,99 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-from torch import Tensor
 
+from jagg_lightning.checks import check, check_ints, one_of
+from jagg_lightning.dtypes import DTYPES
+from jagg_lightning.estimators import ESTIMATORS
+from jagg_lightning.full_finetune import check_trainable
 from jagg_lightning.grpo import KL_CONVENTIONS, MULTI_REWARD
-from jagg_lightning.jagg import ROUTING_SCORES
-from jagg_lightning.sde import CPS_LOG_PROBS
+from jagg_lightning.routing import ROUTING_SCORES
+from jagg_lightning.sde import CPS_LOG_PROBS, STEP_KINDS, TRAINABLE_STEP_KINDS
 
 
-ESTIMATORS = ("paper", "control_variate")
 
+@dataclass
+class PolicyConfig:
+    """What to load and how to adapt it.
 
-def check(ok: bool, name: str, allowed: str, value) -> None:
-    if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    family: the model family ("sd3", "flux", ...); None = detected from the pipeline's model_index.json
+        (``_class_name``), or "sd3" when ``pretrained`` is None.
+    pretrained: local directory or hub id of the family's pipeline; None builds the family's tiny model.
+    lora_rank / lora_alpha / lora_targets: the peft LoRA; lora_targets None = the family's default
+        (Flow-GRPO's targets for that family).
+    guidance_scale: the family's guidance: CFG for SD3 (1.0 = off, one forward instead of two), the
+        embedded distilled guidance for FLUX.1-dev.
+    resolution: image side in pixels; None = the transformer's native sample size.
+    dtype: dtype of the frozen weights; LoRA weights and SDE math stay float32 (float64 if chosen).
+    gradient_checkpointing: recompute each transformer block's activations in backward (diffusers'
+        non-reentrant checkpointing): less activation memory, about one extra block forward per backward.
+    trainable: "lora" (a peft LoRA on the frozen transformer) or "full" (every transformer weight trained, Wan2.2's
+        two experts' both; float32 master weights; ``dtype`` is then the compute dtype, see docs/full_finetuning.md).
+    trainable_modules: with "full", module-name patterns (a name, a dotted suffix of one, or an fnmatch
+        pattern) to train only those modules in full; null = every weight. Each must match some module.
+    reference_offload: with "full" and kl_beta > 0, keep the frozen KL reference copy on the CPU between uses.
+    num_frames: video families only (Wan): frames per video, 4 k + 1; None = the family's default.
+    guidance_scale_2: two-expert video families only (Wan2.2): the low-noise expert's CFG; None = guidance_scale.
+    adapter: an exported LoRA (``LoRAExport``'s folder, its ``peft/`` or ``diffusers/`` part) to start from:
+        its rank, alpha and targets replace lora_rank / lora_alpha / lora_targets (evaluate, sample or train on);
+        Wan2.2: ``transformer_2`` loads the ``peft_transformer_2/`` or ``diffusers_transformer_2/`` part beside it.
+    seed: a policy built on its own: the tiny model's init (seed) and the LoRA init (seed + 1, + 2 for Wan2.2's
+        ``transformer_2``). In a ``JAGGModule`` deprecated: ``model.seed`` (0 here means that root seed).
 
+    The checks here read nothing but the fields. The family name, the local paths (``pretrained``, ``adapter``:
+    found from any directory, :mod:`jagg_lightning.assets`; ``pretrained: digits`` is the shipped test bed) and what a
+    pipeline folder's files say are checked by :func:`jagg_lightning.policy_checks.check_policy`, which
+    ``JAGGModule`` calls with its other checks, before any model is built.
+    """
 
-def one_of(names) -> str:
-    """'a', 'b' or 'c'."""
-    names = [repr(n) for n in names]
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+    pretrained: str | None = None
+    family: str | None = None
+    lora_rank: int = 32
+    lora_alpha: float = 64.0
+    lora_targets: list[str] | None = None
+    guidance_scale: float = 4.5
+    negative_prompt: str = ""
+    max_sequence_length: int = 128
+    resolution: int | None = None
+    dtype: str = "float32"
+    load_t5: bool = True
+    seed: int = 0  # deprecated in a JAGGModule: model.seed
+    gradient_checkpointing: bool = False
+    trainable: str = "lora"
+    trainable_modules: list[str] | None = None
+    reference_offload: bool = False
+    num_frames: int | None = None
+    guidance_scale_2: float | None = None
+    adapter: str | None = None
+
+    def __post_init__(self):
+        def integer(name, value, allowed, ok):
+            if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+                raise ValueError(f"policy.{name} must be {allowed}, got {value!r}")
+
+        integer("lora_rank", self.lora_rank, "an integer >= 1", lambda v: v >= 1)
+        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or not self.lora_alpha > 0:
+            raise ValueError(f"policy.lora_alpha must be a number > 0, got {self.lora_alpha!r}")
+        if not isinstance(self.guidance_scale, (int, float)) or self.guidance_scale < 1.0:
+            raise ValueError(f"policy.guidance_scale must be >= 1.0 (1.0 = off), got {self.guidance_scale!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"policy.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        integer("max_sequence_length", self.max_sequence_length, "an integer >= 1", lambda v: v >= 1)
+        if self.resolution is not None:  # the multiple of VAE factor x patch size is checked against the model
+            integer("resolution", self.resolution, "an integer >= 1 (pixels) or null", lambda v: v >= 1)
+        integer("seed", self.seed, "an integer", lambda v: True)
+        if self.num_frames is not None:  # the 4 k + 1 rule is the VAE's, checked by the family
+            integer("num_frames", self.num_frames, "an integer >= 1 or null", lambda v: v >= 1)
+        if self.guidance_scale_2 is not None and (isinstance(self.guidance_scale_2, bool) or not isinstance(
+                self.guidance_scale_2, (int, float)) or self.guidance_scale_2 < 1.0):
+            raise ValueError(f"policy.guidance_scale_2 must be >= 1.0 or null, got {self.guidance_scale_2!r}")
+        if not isinstance(self.gradient_checkpointing, bool):
+            raise ValueError(f"policy.gradient_checkpointing must be true or false, got {self.gradient_checkpointing!r}")
+        if self.lora_targets is not None and (isinstance(self.lora_targets, str) or not self.lora_targets or not all(
+                isinstance(t, str) and t for t in self.lora_targets)):
+            raise ValueError("policy.lora_targets must be a non-empty list of module names or null (the family's "
+                             f"default), got {self.lora_targets!r}")
+        check_trainable(self, PolicyConfig)
 
 
 @dataclass
@@ -43,28 +116,29 @@ class SamplingConfig:
     are stochastic (``step_kind``) and trained, every other step is ODE; the window lies inside
     ``sde_window_range`` = [lo, hi) and its start is drawn per rollout (``sde_window_schedule`` "random")
     or slides by ``sde_window_stride`` every ``sde_window_shift_every`` rollouts ("progressive", MixGRPO).
-    ``window_fraction``: the share of JAGG windows trained per rollout, drawn at random (DanceGRPO's
-    ``timestep_fraction`` at window granularity). ``train_guidance_scale`` overrides ``policy.guidance_scale``
-    in rollouts and training; 1.0 = no guidance (Flow-GRPO's CFG-free training; evaluation keeps
-    ``evaluation.guidance_scale``)."""
+    ``train_guidance_scale`` overrides ``policy.guidance_scale`` in rollouts and training; 1.0 = no guidance
+    (Flow-GRPO's CFG-free training; evaluation keeps ``evaluation.guidance_scale``).
+
+    Deprecated (each still works, with one line naming its new key; :mod:`jagg_lightning.old_keys`): ``seed``
+    (the rollout stream of ``model.seed``), ``window_fraction`` (``jagg.window_fraction``)."""
 
     num_steps: int = 10
     group_size: int = 4
     noise_level: float = 0.7
-    step_kind: Literal["sde", "sde_constant", "cps"] = "sde"
+    step_kind: str = "sde"  # a trainable kind of sde.STEP_KINDS
     trained_steps: int | None = None
     ode_after_trained: bool = False
     shift: float | None = None
     rollout_batch_size: int = 8
-    seed: int = 0
+    seed: int = 0  # deprecated: model.seed (0 here: the module's root seed)
     cps_log_prob: Literal["squared_error", "gaussian"] = "squared_error"
     sde_window_size: int | None = None
     sde_window_range: list[int] | None = None
     sde_window_schedule: Literal["random", "progressive"] = "random"
     sde_window_shift_every: int = 25
     sde_window_stride: int = 1
-    window_fraction: float = 1.0
     train_guidance_scale: float | None = None
+    window_fraction: float | None = None  # deprecated: jagg.window_fraction
 
     def __post_init__(self):
         check_ints(self, "sampling", "num_steps", "group_size", "rollout_batch_size", "trained_steps", "seed",
@@ -73,17 +147,19 @@ class SamplingConfig:
         check(self.group_size >= 2, "sampling.group_size", ">= 2 (GRPO normalises inside a group)", self.group_size)
         check(0 < self.noise_level <= 2, "sampling.noise_level", "in (0, 2] (trained steps need a density)",
               self.noise_level)
-        check(self.step_kind in ("sde", "sde_constant", "cps"), "sampling.step_kind", "'sde', 'sde_constant' or 'cps'",
-              self.step_kind)
+        check(self.step_kind in TRAINABLE_STEP_KINDS, "sampling.step_kind", one_of(TRAINABLE_STEP_KINDS), self.step_kind)
         check(self.num_trained >= 1 and self.num_trained <= self.num_steps, "sampling.trained_steps",
               f"in [1, num_steps={self.num_steps}]", self.trained_steps)
-        check(self.step_kind != "cps" or self.num_trained < self.num_steps, "sampling.trained_steps",
-              f"< num_steps={self.num_steps} with step_kind cps (its last step is deterministic)", self.trained_steps)
+        into_zero = STEP_KINDS[self.step_kind].deterministic_into_zero  # CPS: its last step has no density
+        check(not into_zero or self.num_trained < self.num_steps, "sampling.trained_steps",
+              f"< num_steps={self.num_steps} with step_kind {self.step_kind} (its last step is deterministic)",
+              self.trained_steps)
         check(self.rollout_batch_size >= 1, "sampling.rollout_batch_size", ">= 1", self.rollout_batch_size)
         check(self.shift is None or self.shift > 0, "sampling.shift", "> 0 or null", self.shift)
         check(self.cps_log_prob in CPS_LOG_PROBS, "sampling.cps_log_prob", "'squared_error' or 'gaussian'",
               self.cps_log_prob)
-        check(0.0 < self.window_fraction <= 1.0, "sampling.window_fraction", "in (0, 1]", self.window_fraction)
+        check(self.window_fraction is None or 0.0 < self.window_fraction <= 1.0, "sampling.window_fraction",
+              "in (0, 1] (deprecated: jagg.window_fraction)", self.window_fraction)
         check(self.train_guidance_scale is None or self.train_guidance_scale >= 1.0, "sampling.train_guidance_scale",
               ">= 1.0 (1.0 = no guidance) or null", self.train_guidance_scale)
         self._check_sde_window()
@@ -98,13 +174,14 @@ class SamplingConfig:
               "is what is trained)", self.trained_steps)
         if self.sde_window_range is None:
             self.sde_window_range = [0, self.num_steps - 1]
-        last = self.num_steps - 1 if self.step_kind == "cps" else self.num_steps
+        into_zero = STEP_KINDS[self.step_kind].deterministic_into_zero
+        last = self.num_steps - 1 if into_zero else self.num_steps
         ok = len(self.sde_window_range) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
                                                       for x in self.sde_window_range)
         ok = ok and 0 <= self.sde_window_range[0]
         ok = ok and self.sde_window_range[1] <= last and self.sde_window_range[1] - self.sde_window_range[0] >= self.sde_window_size
         check(ok, "sampling.sde_window_range", f"[lo, hi] (integers) with 0 <= lo, hi <= {last} (num_steps"
-              f"{' - 1: a CPS step into t = 0 is deterministic' if self.step_kind == 'cps' else ''}) and "
+              f"{f' - 1: a {self.step_kind} step into t = 0 is deterministic' if into_zero else ''}) and "
               f"hi - lo >= sde_window_size={self.sde_window_size}", self.sde_window_range)
         check(self.sde_window_schedule in ("random", "progressive"), "sampling.sde_window_schedule",
               "'random' or 'progressive'", self.sde_window_schedule)
@@ -183,37 +260,38 @@ class JAGGConfig:
     ``estimator``: ``paper`` (the two-anchor interpolation) or ``control_variate`` (unbiased: a routed window
     also gets its exact gradient with probability ``control_p`` and the estimate becomes
     JAGG + (B / p)(exact - JAGG), B ~ Bernoulli(p) seeded by (seed, step), docs/method.md §8);
-    ``low_memory`` runs the two anchors as two passes;
-    ``cache_interior`` reuses the rollout's velocities for interior steps while theta = theta_old.
+    ``cache_interior`` reuses the rollout's velocities for interior steps while theta = theta_old;
+    ``window_fraction``: the share of the windows trained per rollout, drawn from (seed, step) (DanceGRPO's
+    ``timestep_fraction`` at window granularity).
 
     ``fused_rollout`` (on-policy fused mode, docs/method.md §7): the rollout runs every step that will get a
     backward WITH grad and keeps its graph; as each rollout micro-batch ends it is decoded, scored, its
     groups' advantages taken, its windows routed (on its own velocities), and ONE backward runs over the
     kept graphs -- no forward is repeated. Needs one optimizer step per rollout and whole groups per
-    rollout micro-batch. ``fused_exact_interior``: also keep the interior steps of windows that may stay
-    exact (else those are re-run after the micro-batch, as unfused). ``fused_samples``: keep graphs for
-    only that many samples of each rollout micro-batch (the rest are updated unfused): the memory knob.
-    ``memory_budget_mb``: the activation memory one gradient pass may use; the update then picks batched
-    or split anchor passes and how many samples share a pass (measured per sample, see
-    :func:`jagg_lightning.passes.pass_plan`), instead of ``low_memory`` alone. ``interpolate_reference`` (an
+    rollout micro-batch (what it keeps: ``memory``, :class:`MemoryConfig`). ``interpolate_reference`` (an
     approximation, off by default): with kl_beta > 0 the reference velocity of a routed window's interior
     step is interpolated from its anchors', v_ref,k ~ (1 - alpha_k) v_ref,a + alpha_k v_ref,b, instead of
-    a forward with the adapter off (error measured in benchmarks/kl_reference.py)."""
+    a forward with the adapter off (error measured in benchmarks/kl_reference.py).
+
+    Deprecated (each still works, with one line naming its new key; :mod:`jagg_lightning.old_keys`):
+    ``low_memory`` (``memory.anchors: split``), ``memory_budget_mb`` (``memory.budget_mb``), ``fused_samples``
+    (``memory.fused_samples``), ``fused_exact_interior`` (``memory.fused_interior_graphs``)."""
 
     window_size: int = 4
     jagg_frac: float = 0.5
     chained: bool = False
     score_limit: float | None = None
-    low_memory: bool = False
+    window_fraction: float = 1.0
     cache_interior: bool = True
     routing: Literal["residual", "cosine", "random"] = "residual"
-    estimator: Literal["paper", "control_variate"] = "paper"
+    estimator: str = "paper"  # a name of estimators.ESTIMATORS
     control_p: float = 0.5
     fused_rollout: bool = False
-    fused_exact_interior: bool = True
-    fused_samples: int | None = None
-    memory_budget_mb: float | None = None
     interpolate_reference: bool = False
+    low_memory: bool | None = None  # deprecated: memory.anchors
+    memory_budget_mb: float | None = None  # deprecated: memory.budget_mb
+    fused_samples: int | None = None  # deprecated: memory.fused_samples
+    fused_exact_interior: bool | None = None  # deprecated: memory.fused_interior_graphs
 
     def __post_init__(self):
         check_ints(self, "jagg", "window_size")
@@ -224,17 +302,56 @@ class JAGGConfig:
         check(self.routing != "random" or self.score_limit is None, "jagg.score_limit", "null with jagg.routing "
               "'random' (a uniform draw says nothing about a window's linearity)", self.score_limit)
         check(self.estimator in ESTIMATORS, "jagg.estimator", one_of(ESTIMATORS), self.estimator)
+        ESTIMATORS[self.estimator].check_config(self)
         check(isinstance(self.control_p, (int, float)) and not isinstance(self.control_p, bool)
               and 0.0 < self.control_p <= 1.0, "jagg.control_p", "in (0, 1] (the probability that a routed window "
               "also gets its exact gradient)", self.control_p)
-        check(self.estimator != "control_variate" or not self.interpolate_reference, "jagg.interpolate_reference",
-              "false with jagg.estimator 'control_variate' (the unbiased estimate needs the true reference at every "
-              "step)", self.interpolate_reference)
+        check(0.0 < self.window_fraction <= 1.0, "jagg.window_fraction", "in (0, 1]", self.window_fraction)
         check_ints(self, "jagg", "fused_samples")
-        check(self.fused_samples is None or self.fused_samples >= 1, "jagg.fused_samples", ">= 1 or null",
+        check(self.fused_samples is None or self.fused_samples >= 1, "jagg.fused_samples", ">= 1 or null "
+              "(deprecated: memory.fused_samples)", self.fused_samples)
+        check(self.memory_budget_mb is None or self.memory_budget_mb > 0, "jagg.memory_budget_mb", "> 0 or null "
+              "(deprecated: memory.budget_mb)", self.memory_budget_mb)
+
+
+ANCHOR_PASSES = ("auto", "batched", "split")
+
+
+@dataclass
+class MemoryConfig:
+    """What the update's gradient passes may hold in activation memory, and what it trades for that (docs/method.md
+    §5 and §7). Each field means one thing:
+
+    ``budget_mb``: the activation memory ONE gradient pass may keep -- and, in the fused mode, the kept graphs of
+    one rollout micro-batch -- measured per sample (:meth:`~jagg_lightning.sampler.Sampler.activation_bytes`); it
+    sets how many samples share a pass (:func:`~jagg_lightning.passes.pass_plan`). Null: no limit (all of a
+    micro-batch's samples in one pass).
+    ``anchors``: how a JAGG window's two anchors run: ``batched`` (one forward of both, one backward: about twice
+    one step's activations), ``split`` (one forward each, still one backward per window in the fused mode, two
+    passes otherwise: exact GRPO's peak), ``auto`` (batched without a budget; under one, the layout with fewer
+    passes).
+    ``fused_samples`` (fused mode): how many samples of each rollout micro-batch keep their graphs (the rest are
+    updated unfused, their anchors re-run); null: as many as ``budget_mb`` holds, all without a budget.
+    ``fused_interior_graphs`` (fused mode): also keep the graphs of interior steps of windows that may stay exact
+    or be corrected by the estimator (else those are re-run after the micro-batch, as unfused).
+
+    Not here: ``jagg.cache_interior`` (the rollout records the velocities in any case -- routing reads them --
+    so reusing them saves forwards, not memory)."""
+
+    budget_mb: float | None = None
+    anchors: str = "auto"
+    fused_samples: int | None = None
+    fused_interior_graphs: bool = True
+
+    def __post_init__(self):
+        check(self.budget_mb is None or (isinstance(self.budget_mb, (int, float)) and not isinstance(self.budget_mb, bool)
+                                         and self.budget_mb > 0), "memory.budget_mb", "> 0 (MiB) or null", self.budget_mb)
+        check(self.anchors in ANCHOR_PASSES, "memory.anchors", one_of(ANCHOR_PASSES), self.anchors)
+        check_ints(self, "memory", "fused_samples")
+        check(self.fused_samples is None or self.fused_samples >= 1, "memory.fused_samples", ">= 1 or null",
               self.fused_samples)
-        check(self.memory_budget_mb is None or self.memory_budget_mb > 0, "jagg.memory_budget_mb", "> 0 or null",
-              self.memory_budget_mb)
+        check(isinstance(self.fused_interior_graphs, bool), "memory.fused_interior_graphs", "true or false",
+              self.fused_interior_graphs)
 
 
 @dataclass
@@ -242,12 +359,13 @@ class EvalConfig:
     """``validate`` / ``test`` / ``predict`` (and ``val_check_interval`` during fit): deterministic ODE (Euler)
     sampling with ``num_steps`` steps and classifier-free guidance ``guidance_scale`` (null = the policy's),
     ``samples_per_prompt`` images per prompt whose noise depends on (seed, prompt index, sample) only, so
-    every evaluation sees the same noise; the first ``grid_prompts`` prompts form the logged sample grid."""
+    every evaluation sees the same noise; the first ``grid_prompts`` prompts form the logged sample grid.
+    ``seed``: null = the module's root seed (``model.seed``); a number fixes the evaluation noise apart from it."""
 
     num_steps: int = 20
     guidance_scale: float | None = None
     samples_per_prompt: int = 1
-    seed: int = 0
+    seed: int | None = None
     grid_prompts: int = 8
 
     def __post_init__(self):
@@ -282,40 +400,6 @@ def check_fused(s: SamplingConfig, g: GRPOConfig) -> None:
           "reward of the rollout before the first backward)", g.adv_std)
 
 
-# trainer.precision -> the policy.dtype it needs ("true" precisions cast the module; None = any dtype)
-# 16-mixed is refused: its loss scaler unscales inside optimizer.step, after the manual gradient clipping
-PRECISIONS = {"32-true": None, "bf16-mixed": None, "bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}
-_PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true", "None": "32-true"}
-
-
-def check_precision(precision, dtype: str | None) -> str:
-    """Refuse Lightning precisions the module cannot honour; "-true" ones must match ``policy.dtype`` (the
-    frozen weights), since LoRA weights and optimizer state stay float32 under every precision."""
-    name = _PRECISION_ALIASES.get(str(precision), str(precision))
-    check(name != "16-mixed", "trainer.precision", "bf16-mixed rather than 16-mixed (float16 loss scaling does not "
-          "compose with the manual gradient clipping)", precision)
-    check(name in PRECISIONS, "trainer.precision", f"one of {sorted(PRECISIONS)}", precision)
-    needed = PRECISIONS[name]
-    dtype = dtype or "float32"
-    check(needed is None or dtype == needed, "model.policy.dtype",
-          f"{needed!r} with trainer.precision {name} (it casts the frozen weights; or use bf16-mixed / 32-true)",
-          dtype)
-    return name
-
-
-def check_ints(config, section: str, *names: str) -> None:
-    """Integer fields must be integers (or null where they default to null): 2.5 steps is a typo, not a value."""
-    for name in names:
-        value = getattr(config, name)
-        check(value is None or (isinstance(value, int) and not isinstance(value, bool)), f"{section}.{name}",
-              "an integer", value)
-
-
-def default_optimizer(params):
-    """``model.optimizer: null``: AdamW, lr 1e-4, weight decay 1e-4 (Flow-GRPO's SD3 setting)."""
-    return torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4)
-
-
 def as_config(cls, value):
     """A private copy of a config dataclass from None (defaults), a dict (e.g. hyper-parameters of a
     checkpoint) or an instance (the signature's default instances are shared)."""
@@ -326,21 +410,3 @@ def as_config(cls, value):
     if not isinstance(value, cls):
         raise TypeError(f"expected a {cls.__name__} or a dict of its fields, got {type(value).__name__}")
     return dataclasses.replace(value)
-
-
-def check_learning_rates(optimizer: torch.optim.Optimizer) -> None:
-    for group in optimizer.param_groups:
-        lr = group.get("lr", 0)
-        lr = float(lr) if not isinstance(lr, Tensor) else float(lr.item())
-        check(lr > 0, "optimizer lr (optimizer.init_args.lr)", "> 0", lr)
-
-
-def check_optimizer(optimizer):
-    """Build the optimizer factory's optimizer on a throw-away parameter, so that its own checks and ours (the
-    learning rates) run before any model exists; returns the factory."""
-    try:
-        probe = optimizer([torch.nn.Parameter(torch.zeros(1))])
-    except ValueError as err:
-        raise ValueError(f"optimizer lr (optimizer.init_args.lr) must be > 0 and valid: {err}") from err
-    check_learning_rates(probe)
-    return optimizer

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from jagg_lightning.policies.base import DTYPES
+from jagg_lightning.dtypes import DTYPES
 from jagg_lightning.sharding import full_tensor
 
 WEIGHTS_PATTERN = "diffusion_pytorch_model{suffix}.safetensors"  # diffusers' SAFETENSORS_WEIGHTS_NAME, sharded

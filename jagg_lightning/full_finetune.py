@@ -20,6 +20,8 @@ import fnmatch
 import torch
 from torch import nn
 
+from jagg_lightning.dtypes import compute_dtype
+
 TRAINABLE = ("lora", "full")
 LORA_ONLY = ("lora_rank", "lora_alpha", "lora_targets", "adapter")
 
@@ -50,6 +52,13 @@ def check_trainable(config, config_class) -> None:
                              f"'full' (there is no adapter), got {getattr(config, name)!r}")
 
 
+def train_in_full(networks: dict[str, nn.Module], patterns: list[str] | None, dtype: torch.dtype) -> None:
+    """``policy.trainable: full``: every one of ``networks`` (``Policy.trained_networks()``) trains its own weights
+    (those of the modules ``patterns`` name; all when null), held in float32 masters (:func:`make_trainable`)."""
+    for network in networks.values():
+        make_trainable(network, patterns, dtype)
+
+
 def module_matches(name: str, pattern: str) -> bool:
     """A module name matches a pattern equal to it, to one of its dotted suffixes (as peft's target_modules:
     ``attn`` matches ``transformer_blocks.0.attn``) or an fnmatch pattern of the whole name."""
@@ -59,7 +68,7 @@ def module_matches(name: str, pattern: str) -> bool:
 def make_trainable(transformer: nn.Module, patterns: list[str] | None, dtype: torch.dtype) -> None:
     """Cast ``transformer`` to its master dtype and let the parameters of the modules ``patterns`` name (all
     when null) train; a pattern that matches no module fails, naming it."""
-    master = master_dtype(dtype)
+    master = compute_dtype(dtype)  # float32 master weights whatever the compute dtype; float64 stays float64
     nn.Module.to(transformer, master)  # (diffusers' own .to warns about fp32-kept modules: none here)
     transformer.requires_grad_(patterns is None)
     transformer.train(False)  # dropout off: a rollout and its update must see the same function
@@ -74,11 +83,6 @@ def make_trainable(transformer: nn.Module, patterns: list[str] | None, dtype: to
                 m.requires_grad_(True)
     if master != dtype:
         transformer.register_forward_pre_hook(_upcast_inputs, with_kwargs=True)
-
-
-def master_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 master weights whatever the compute dtype; float64 stays float64."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _upcast_inputs(module, args, kwargs):
@@ -99,7 +103,7 @@ def fsdp_options(compute: torch.dtype, cpu_offload: bool = False, full: bool = T
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     options = {}
-    if full and master_dtype(compute) != compute:
+    if full and compute_dtype(compute) != compute:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
     if cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=False)

@@ -33,6 +33,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from jagg_lightning.dtypes import compute_dtype
 from jagg_lightning.sde import LogProbConvention, StepKind, step_distribution
 
 KLConvention = Literal["flow_grpo", "exact"]
@@ -87,7 +88,7 @@ def group_advantages(
         raise ValueError(f"std must be 'group' or 'global', got {std!r}")
     if ddof not in (0, 1):
         raise ValueError(f"ddof must be 0 or 1, got {ddof!r}")
-    rewards = rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
+    rewards = rewards.to(compute_dtype(rewards))
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     if std == "group":
         scale = rewards.std(dim=1, keepdim=True, correction=ddof)

@@ -15,8 +15,9 @@ gets a backward ("pass step": an anchor of a routed window, or any step of an ex
 upstream tensor U_k = g_k + (the G contributions of routed windows' interior steps). Interior g_k come
 from a no-grad forward or, while theta is still the rollout's theta, from the rollout's recorded
 velocities. Chained windows share anchors, and a shared anchor gets one backward, not two.
-The control variate (``Window.correction`` c = B/p, drawn by :func:`draw_corrections`) turns a routed
-window's estimate into JAGG + c (exact - JAGG): its interiors get passes of their own. See docs/method.md for the exactness proof and the cost model. Plain torch: no Lightning here.
+How a routed window's interiors enter is an estimator's choice (:class:`InteriorTerms`, ``estimators/``): the
+paper's interpolation by default; the control variate (``Window.correction`` c = B/p) turns a drawn window's
+estimate into JAGG + c (exact - JAGG), its interiors getting passes of their own. See docs/method.md for the exactness proof and the cost model. Plain torch: no Lightning here.
 """
 
 from __future__ import annotations
@@ -118,110 +119,32 @@ def alphas(times: Tensor, steps: Sequence[int]) -> Tensor:
     return (t[0] - t) / (t[0] - t[-1])
 
 
-def composite_gradients(g: Sequence[Tensor], alpha: Tensor) -> tuple[Tensor, Tensor]:
-    """G_a = sum_k (1 - alpha_k) g_k and G_b = sum_k alpha_k g_k (alpha stays a tensor: no host read)."""
-    g_a = sum((1 - al).to(gk.dtype) * gk for gk, al in zip(g, alpha))
-    g_b = sum(al.to(gk.dtype) * gk for gk, al in zip(g, alpha))
-    return g_a, g_b
+def weighted_sum(g: Sequence[Tensor], weights) -> Tensor:
+    """sum_k w_k g_k, each weight cast to g_k's dtype (weights: a tensor or floats; no host read of a tensor): with
+    :func:`interpolation_terms`' weights, G_a = sum_k (1 - alpha_k) g_k and G_b = sum_k alpha_k g_k."""
+    return sum((w.to(gk.dtype) if isinstance(w, Tensor) else w) * gk for gk, w in zip(g, weights))
 
 
-def interpolation_residual(velocities: Tensor, times: Tensor, steps: Sequence[int]) -> Tensor:
-    """Routing score of a window: mean over interior k and samples of ||v_k - lerp_t(v_a, v_b)|| / ||v_k||.
+@dataclass
+class InteriorTerms:
+    """How a routed window's interior steps enter its gradient -- an estimator's fold weights
+    (:mod:`jagg_lightning.estimators`): interior step i's g_k is added into the anchors' upstream U_a with weight
+    ``to_a[i]`` and into U_b with ``to_b[i]``; with ``own`` != 0 each interior step also gets a pass of its own, of
+    upstream ``own`` g_k (its g_k then comes from that pass, not from the cache or a no-grad forward)."""
 
-    ``velocities`` are the rollout's recorded velocities [S, B, ...] (no extra pass); 0 for W = 2.
-    A 0-d float64 tensor on the velocities' device (no host read).
-    """
-    steps = list(steps)
-    if len(steps) <= 2:
-        return velocities.new_zeros((), dtype=torch.float64)
-    alpha = alphas(times, steps)
-    v = velocities[steps].to(torch.float64).flatten(2)  # [W, B, D]
-    interp = (1 - alpha)[:, None, None] * v[0] + alpha[:, None, None] * v[-1]
-    residual = (v - interp).norm(dim=-1) / v.norm(dim=-1).clamp_min(1e-12)
-    return residual[1:-1].mean()
+    to_a: Sequence  # [W - 2] weights: a tensor or floats
+    to_b: Sequence
+    own: float = 0.0
 
 
-def cosine_score(velocities: Tensor, times: Tensor, steps: Sequence[int]) -> Tensor:
-    """The published routing rule's score: 1 - mean over interior k and samples of cos(v_k - v_a, v_b - v_a).
-
-    Each cosine is between the flattened per-sample vectors v_k - v_a and v_b - v_a (the recorded
-    velocities after guidance); 1 when v_k moves along the chord from v_a to v_b (whatever the pace),
-    so the score is in [0, 2], 0 for W = 2 and lower is more linear. ``times`` is unused: the angle
-    does not depend on alpha_k. A 0-d float64 tensor (no host read).
-    """
-    steps = list(steps)
-    if len(steps) <= 2:
-        return velocities.new_zeros((), dtype=torch.float64)
-    v = velocities[steps].to(torch.float64).flatten(2)  # [W, B, D]
-    chord = v[-1] - v[0]
-    offset = v[1:-1] - v[0]
-    cos = (offset * chord).sum(-1) / (offset.norm(dim=-1) * chord.norm(dim=-1)).clamp_min(1e-300)
-    return 1.0 - cos.mean()
+def interpolation_terms(alpha: Tensor) -> InteriorTerms:
+    """The paper's fold weights: J_k ~ (1 - alpha_k) J_a + alpha_k J_b, so g_k joins G_a with 1 - alpha_k and G_b
+    with alpha_k (``alpha`` [W - 2]: the interior steps' alpha_k); no pass of their own."""
+    return InteriorTerms(1 - alpha, alpha)
 
 
-def random_score(velocities: Tensor, times: Tensor, steps: Sequence[int],
-                 generator: torch.Generator | None = None) -> Tensor:
-    """The baseline rule: a uniform draw in [0, 1) from ``generator`` (seeded by the caller from the run's seed
-    and step, so every process draws alike and the global RNG is untouched); the velocities are unused."""
-    if generator is None:
-        raise ValueError("jagg.routing 'random' needs a generator seeded by the step (Updater.route passes one)")
-    return torch.rand((), generator=generator, dtype=torch.float64).to(velocities.device)
-
-
-ROUTING_SCORES: dict[str, Callable[..., Tensor]] = {"residual": interpolation_residual, "cosine": cosine_score,
-                                                     "random": random_score}
-
-
-def routing_score(rule: str, velocities: Tensor, times: Tensor, steps: Sequence[int],
-                  generator: torch.Generator | None = None) -> Tensor:
-    """The score of ``rule`` (``residual``, ``cosine`` or ``random``: ``generator`` draws it) for one window
-    (0-d tensor); lower is more linear."""
-    if rule not in ROUTING_SCORES:
-        raise ValueError(f"jagg.routing must be one of {sorted(ROUTING_SCORES)}, got {rule!r}")
-    drawn = {"generator": generator} if rule == "random" else {}
-    return ROUTING_SCORES[rule](velocities, times, steps, **drawn)
-
-
-def route_windows(
-    windows: list[Window],
-    scores: Sequence[float],
-    jagg_frac: float,
-    window_size: int,
-    score_limit: float | None = None,
-) -> list[Window]:
-    """Route the ``jagg_frac`` share of full-size windows with the smallest score to JAGG.
-
-    Short tail windows stay exact; a window whose score exceeds ``score_limit`` stays exact.
-    jagg_frac = 0 routes nothing (exact GRPO); 1 routes every eligible window. Windows of different
-    ``segment`` (different networks: their residuals are not comparable) are ranked apart, each segment
-    routing its own ``jagg_frac`` share.
-    """
-    if len({w.segment for w in windows}) > 1:
-        for seg in sorted({w.segment for w in windows}):
-            part = [(w, s) for w, s in zip(windows, scores, strict=True) if w.segment == seg]
-            route_windows([w for w, _ in part], [s for _, s in part], jagg_frac, window_size, score_limit)
-        return windows
-    if not 0.0 <= jagg_frac <= 1.0:
-        raise ValueError(f"jagg_frac must be in [0, 1], got {jagg_frac}")
-    for w, s in zip(windows, scores, strict=True):
-        w.score, w.routed = float(s), False
-    eligible = [w for w in windows if len(w.steps) == window_size]
-    count = int(jagg_frac * len(eligible) + 0.5)
-    for w in sorted(eligible, key=lambda w: w.score)[:count]:
-        if score_limit is None or w.score <= score_limit:
-            w.routed = True
-    return windows
-
-
-def draw_corrections(windows: Sequence[Window], p: float | None, generator: torch.Generator | None = None) -> None:
-    """The control variate's draws, in place: each routed window with an interior gets c = B/p, B ~ Bernoulli(p)
-    from ``generator`` (one uniform per window, routed or not, so a window's draw does not depend on the
-    routing of the others); ``p`` None resets every c to 0 (the paper's estimate)."""
-    if p is not None and not 0.0 < p <= 1.0:
-        raise ValueError(f"jagg.control_p must be in (0, 1], got {p}")
-    for w in windows:
-        drawn = p is not None and float(torch.rand((), generator=generator, dtype=torch.float64)) < p
-        w.correction = 1.0 / p if drawn and w.routed and len(w.steps) > 2 else 0.0
+InteriorTermsFn = Callable[[Window, Tensor], InteriorTerms]
+"""(routed window, its interior steps' alpha_k [W - 2]) -> their :class:`InteriorTerms` (an estimator's)."""
 
 
 @dataclass
@@ -287,6 +210,7 @@ def accumulate_gradients(
     backward: Callable[[Tensor], None] | None = None,
     graphs: dict[int, Tensor] | None = None,
     batch_anchors: bool = True,
+    interior_terms: InteriorTermsFn | None = None,
 ) -> list[WindowRecord]:
     """Accumulate d(sum_k step_loss(k, v_k))/dtheta into ``.grad`` over all ``windows``.
 
@@ -306,9 +230,12 @@ def accumulate_gradients(
     of the batch shape of ``latents`` -- at theta_old the rollout's, so the rollout's velocities are reproduced bit
     for bit (a batched forward of twice the rows need not: a matmul kernel is picked by the shape and rounds its
     own way -- the tiny SD3's AdaLN linears change kernel between 10 and 11 rows on a CPU: 1-2 ulp of log-prob).
-    Drawn control-variate windows (``Window.correction`` > 0) give every interior a pass of its own, first.
+    ``interior_terms``: the estimator's fold weights (:class:`InteriorTerms`; default the paper's,
+    :func:`interpolation_terms`); a window whose interiors get passes of their own (the control variate's drawn
+    windows) runs them first.
     Returns one :class:`WindowRecord` per window with the passes it actually made.
     """
+    interior_terms = interior_terms or (lambda window, alpha: interpolation_terms(alpha))
     engine = _Engine(velocity_fn, latents, times, cond, step_loss, backward or Tensor.backward)
     records = [WindowRecord(w.steps, w.score, w.routed, segment=w.segment, correction=w.correction) for w in windows]
     graphs = graphs or {}
@@ -327,18 +254,19 @@ def accumulate_gradients(
             rec.grad_forwards += engine.grad_pass(steps, batched=batch_anchors)
             rec.backwards += 1
 
-    # 1. Interior steps of routed windows: g_k from the cache or a no-grad forward, folded into G_a/G_b.
-    #    Drawn for the control variate (c = w.correction > 0): each interior gets its own pass with U_k = c g_k and
-    #    folds (1 - c) of its G_a/G_b share into the anchors from that pass's g_k (no extra forward).
+    # 1. Interior steps of routed windows, by the estimator's terms: g_k from the cache or a no-grad forward, folded
+    #    into G_a/G_b; or (own != 0: the control variate's drawn windows) each interior gets its own pass with
+    #    U_k = own g_k and folds its weighted share into the anchors from that pass's g_k (no extra forward).
     for w, rec in zip(windows, records):
         if not w.routed or len(w.steps) <= 2:
             continue
-        if w.correction:
-            c, (a, b) = w.correction, w.anchors
-            for k, al in zip(w.interior, alphas(times, w.steps)[1:-1].tolist()):
-                engine.own_scale[k] = c
-                if c != 1.0:
-                    engine.folds[k] = [(a, (1 - c) * (1 - al)), (b, (1 - c) * al)]
+        terms = interior_terms(w, alphas(times, w.steps)[1:-1])
+        a, b = w.anchors
+        if terms.own:
+            for k, to_a, to_b in zip(w.interior, terms.to_a, terms.to_b):
+                engine.own_scale[k] = terms.own
+                if to_a or to_b:
+                    engine.folds[k] = [(a, to_a), (b, to_b)]
             run_passes(rec, list(w.interior), joint=False)
             continue
         interior_g = []
@@ -352,10 +280,8 @@ def accumulate_gradients(
                 rec.nograd_forwards += 1
             interior_g.append(engine.own_gradient(k, v_k))
         # the anchors' own g_a, g_b (alpha 0 and 1) join in their own pass
-        g_a, g_b = composite_gradients(interior_g, alphas(times, w.steps)[1:-1])
-        a, b = w.anchors
-        engine.add_upstream(a, g_a)
-        engine.add_upstream(b, g_b)
+        engine.add_upstream(a, weighted_sum(interior_g, terms.to_a))
+        engine.add_upstream(b, weighted_sum(interior_g, terms.to_b))
 
     # 2. Backward passes; a step shared by chained windows is done once, by the first window.
     done: set[int] = set()
@@ -390,9 +316,11 @@ def flat_gradient(
     step_loss: StepLossFn,
     windows: Sequence[Window],
     cached_velocities: Tensor | None = None,
+    interior_terms: InteriorTermsFn | None = None,
 ) -> Tensor:
-    """d(sum_k step_loss(k, v_k))/dparams over ``windows`` as :func:`accumulate_gradients` makes it,
-    flattened in float64 and collected with ``torch.autograd.grad`` (``.grad`` is left untouched)."""
+    """d(sum_k step_loss(k, v_k))/dparams over ``windows`` as :func:`accumulate_gradients` makes it (with the
+    estimator's ``interior_terms``), flattened in float64 and collected with ``torch.autograd.grad`` (``.grad`` is
+    left untouched)."""
     params = list(params)
     total = [torch.zeros_like(p) for p in params]
 
@@ -402,7 +330,7 @@ def flat_gradient(
                 buf += g
 
     accumulate_gradients(velocity_fn, latents, times, cond, step_loss, windows,
-                         cached_velocities=cached_velocities, backward=collect)
+                         cached_velocities=cached_velocities, backward=collect, interior_terms=interior_terms)
     return torch.cat([t.flatten().double() for t in total])
 
 

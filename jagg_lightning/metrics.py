@@ -13,7 +13,7 @@ from jagg_lightning.update import StepReport
 
 
 def train_metrics(report: StepReport, windows: list[Window], ratio: FirstUpdateRatioCheck, exact_backwards: int,
-                  reference_forwards: int, gradient_all_reduces: int) -> dict[str, Tensor]:
+                  gradient_all_reduces: int) -> dict[str, Tensor]:
     """The ``train/*`` values of one training step (without the prefix)."""
     stats, records, rewards = report.stats + report.first_update_stats, report.records, report.rewards
 
@@ -39,7 +39,7 @@ def train_metrics(report: StepReport, windows: list[Window], ratio: FirstUpdateR
         "passes/grad_forward": torch.tensor(float(sum(r.grad_forwards for r in records))),
         "passes/nograd_forward": torch.tensor(float(sum(r.nograd_forwards for r in records))),
         "passes/fused_forward": torch.tensor(float(sum(r.fused_steps for r in records))),
-        "passes/reference_forward": torch.tensor(float(reference_forwards)),
+        "passes/reference_forward": torch.tensor(float(report.reference_forwards)),
         "passes/exact_backward": torch.tensor(float(exact_backwards)),
         "passes/routed_windows": torch.tensor(float(len(routed))),
         # routed windows the control variate drew (jagg.estimator: control_variate): their interiors got passes too

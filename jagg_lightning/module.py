@@ -25,27 +25,26 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from jagg_lightning import state
+from jagg_lightning.checks import check, check_learning_rates, check_optimizer, check_precision, default_optimizer
 from jagg_lightning.collectives import Collectives, destroy_process_group_at_exit
-from jagg_lightning.config import (
-    EvalConfig, GRPOConfig, JAGGConfig, SamplingConfig, as_config, check, check_learning_rates, check_optimizer,
-    check_precision, check_sections, default_optimizer,
-)
+from jagg_lightning.config import EvalConfig, GRPOConfig, JAGGConfig, MemoryConfig, SamplingConfig, as_config, check_sections
 from jagg_lightning.data import unpack_prompt_batch
+from jagg_lightning.dtypes import compute_dtype
 from jagg_lightning.ema import LoRAEMA
 from jagg_lightning.images import image_grid, log_dir, write_image
 from jagg_lightning.jagg import Window, WindowGradientCheck, WindowRecord
 from jagg_lightning.metrics import EvalSums, FirstUpdateRatioCheck, train_metrics
-from jagg_lightning.passes import reference_steps
+from jagg_lightning.old_keys import move_old_keys, resolve_seeds
 from jagg_lightning.policies import Policy, PolicyConfig, build_policy
+from jagg_lightning.policy_checks import check_policy
+from jagg_lightning.reference import attach_reference
 from jagg_lightning.rewards import Reward, build_reward, describe_reward
 from jagg_lightning.rollout import RolloutBatch, RolloutPlan, plan_rollout
-from jagg_lightning.sampler import EVAL_STEP, Sampler, sde_dtype_of
-from jagg_lightning.reference import attach_reference
+from jagg_lightning.sampler import EVAL_STEP, Sampler
 from jagg_lightning.strategies import shard_policy
-from jagg_lightning.update import StepReport, Updater, UpdateHooks
+from jagg_lightning.update import StepReport, UpdateHooks, Updater
 
-# the config sections stay importable from here, as before the parts were split out
-__all__ = ["EvalConfig", "GRPOConfig", "JAGGConfig", "JAGGModule", "SamplingConfig", "check_precision", "default_optimizer"]
+__all__ = ["JAGGModule"]
 
 
 def _full_precision_defaults(step):
@@ -62,6 +61,20 @@ def _full_precision_defaults(step):
             torch.set_default_dtype(previous)
 
     return wrapper
+
+
+def _to_arguments(args: tuple, kwargs: dict) -> tuple:
+    """(device, dtype) that ``Module.to(*args, **kwargs)`` was asked for (None where not): a device (a string, an
+    index or a ``torch.device``), a dtype, or a tensor whose device and dtype to match."""
+    device, dtype = kwargs.get("device"), kwargs.get("dtype")
+    for arg in args:
+        if isinstance(arg, Tensor):
+            device, dtype = arg.device, arg.dtype
+        elif isinstance(arg, torch.dtype):
+            dtype = arg
+        elif isinstance(arg, (str, torch.device)) or (isinstance(arg, int) and not isinstance(arg, bool)):
+            device = arg
+    return device, dtype
 
 
 class JAGGModule(L.LightningModule):
@@ -92,6 +105,8 @@ class JAGGModule(L.LightningModule):
         ema_decay: float | None = None,
         reward_workers: int = 0,
         evaluation: EvalConfig = EvalConfig(),
+        memory: MemoryConfig = MemoryConfig(),
+        seed: int = 0,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -99,9 +114,12 @@ class JAGGModule(L.LightningModule):
         self.sampling = as_config(SamplingConfig, sampling)
         self.grpo = as_config(GRPOConfig, grpo)
         self.jagg = as_config(JAGGConfig, jagg)
+        self.memory = as_config(MemoryConfig, memory)
         self.evaluation = as_config(EvalConfig, evaluation)
         # Everything that can be checked is checked before any model is built.
+        move_old_keys(self.policy_config, self.sampling, self.jagg, self.memory)  # one deprecation line each
         check_sections(self.sampling, self.grpo, self.jagg)
+        check_policy(self.policy_config)  # the family registry and the files the policy config names
         optimizer = state.rebuild_callable("optimizer", optimizer) or default_optimizer
         lr_scheduler = state.rebuild_callable("lr_scheduler", lr_scheduler)
         self.optimizer_factory, self.lr_scheduler_factory = check_optimizer(optimizer), lr_scheduler
@@ -116,7 +134,10 @@ class JAGGModule(L.LightningModule):
                 "policy": self.policy_config, "sampling": self.sampling, "grpo": self.grpo, "jagg": self.jagg,
                 "reward": describe_reward(self.reward_fn), "optimizer": state.describe_callable(optimizer, default_optimizer),
                 "lr_scheduler": state.describe_callable(lr_scheduler, None), "ema_decay": ema_decay,
-                "reward_workers": reward_workers, "evaluation": self.evaluation}))
+                "reward_workers": reward_workers, "evaluation": self.evaluation, "memory": self.memory, "seed": seed}))
+        # every stream's seed from the root (after the hyper-parameters: they keep what was given)
+        resolve_seeds(seed, self.policy_config, self.sampling, self.evaluation)
+        self.seed = seed
 
         # the policy, its parts and the EMA of its LoRA are built in configure_model; windows need only the config
         self.ema_decay, self.ema = ema_decay, None
@@ -139,7 +160,7 @@ class JAGGModule(L.LightningModule):
     @property
     def sde_dtype(self) -> torch.dtype:
         """The dtype of the SDE and GRPO math: float32 whatever the model dtype (float64 with a float64 policy)."""
-        return sde_dtype_of(self.policy_config.dtype)
+        return compute_dtype(self.policy_config.dtype)
 
     def _trainable_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
@@ -148,26 +169,22 @@ class JAGGModule(L.LightningModule):
         """Context in which the policy holds the weights to export or sample with (EMA when enabled)."""
         return self.ema.applied() if self.ema is not None else nullcontext()
 
-    def training_guidance(self):
-        """Guidance of rollouts and training (``sampling.train_guidance_scale``; 1.0 = CFG-free)."""
-        return self.sampler.guidance(self.sampling.train_guidance_scale)
-
     # ------------------------------------------------------------------ setup
     def configure_model(self) -> None:
         """Build (or load) the policy and the parts that work on it -- here rather than in ``__init__`` so that a
         strategy can wrap or shard it as it is created. Idempotent: the Trainer calls it for every fit/validate/predict."""
-        if "policy" not in self._modules:
+        if not hasattr(self, "policy"):  # not built yet (__getattr__ says so)
             self.policy: Policy = build_policy(self.policy_config)
             attach_reference(self.policy, self.grpo.kl_beta)  # full FT with KL: a frozen copy of the initial weights
             if self.policy_config.gradient_checkpointing:
                 self.policy.enable_gradient_checkpointing()
             self.sampler = Sampler(self.policy, self.sampling, self.grpo.kl_beta, self.reward_workers)
-            self.updater = Updater(self.policy, self.sampling, self.grpo, self.jagg, self.sampler)
-        mesh = self._device_mesh  # set by ModelParallelStrategy (FSDP2Strategy) before this hook
+            self.updater = Updater(self.policy, self.sampling, self.grpo, self.jagg, self.memory, self.sampler)
+        mesh = self.device_mesh  # set by ModelParallelStrategy (FSDP2Strategy) before this hook
         if mesh is not None and not self._sharded:
             # FSDP2: one unit per transformer block (+ the reference copy); the parameters become DTensor shards,
             # so an EMA made before this point would track the old tensors (nothing has trained yet: rebuild it)
-            shard_policy(self.policy, mesh["data_parallel"], getattr(self._trainer, "strategy", None))
+            shard_policy(self.policy, mesh["data_parallel"], self.trainer.strategy)
             self._sharded, self.ema = True, None
         if self.ema_decay is not None and self.ema is None:
             self.ema = LoRAEMA(self._trainable_named_parameters(), self.ema_decay)
@@ -203,31 +220,18 @@ class JAGGModule(L.LightningModule):
     @_full_precision_defaults
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         self._step_rng = state.rng_state()  # a checkpoint written on an exception inside the step restarts it
-        with self.training_guidance():
-            loss = self._training_step(batch, batch_idx)
-        self._step_rng = None
-        return loss
-
-    def _training_step(self, batch: dict, batch_idx: int) -> Tensor:
         prompts, indices = unpack_prompt_batch(batch)
         step = self.global_step
         self.plan = plan = plan_rollout(self.sampling, self.jagg, step, self.rollouts_done,
                                         self.policy.expert_starts(self.sampler.times))
         self.windows = plan.windows
-        collectives = Collectives(self._trainer)
+        collectives = Collectives(self.trainer)
         hooks = UpdateHooks(self.manual_backward, functools.partial(self.step_optimizer, collectives), collectives)
-        self.sampler.reference_forwards = 0
-        if self.jagg.fused_rollout:  # rollout, advantages and update per rollout micro-batch, one optimizer step
-            report = self.updater.fused(prompts, indices, step, plan, self.reward_fn, hooks)
-        else:
-            taken = reference_steps(plan.windows, self.jagg)
-            traj, cond, _, rewards, components = self.sampler.rollout_and_score(
-                prompts, indices, step, plan.step_kinds, sorted(taken), reward=self.reward_fn)
-            advantages, parts = self.updater.reward_advantages(rewards, components, self.reward_fn, collectives)
-            report = self.updater.unfused(traj, cond, rewards, components, advantages, step, plan, taken, hooks)
-            report.advantage_parts = parts
+        # rollout -> rewards -> advantages -> routed update -> optimizer step(s), fused or not (update.py)
+        report = self.updater.step(prompts, indices, step, plan, self.reward_fn, hooks)
         self._record_step(report, collectives)
         self.rollouts_done += 1
+        self._step_rng = None
         return report.rewards.mean()
 
     def step_optimizer(self, collectives: Collectives) -> None:
@@ -251,8 +255,7 @@ class JAGGModule(L.LightningModule):
     def _record_step(self, report: StepReport, collectives: Collectives) -> None:
         """Keep what callbacks read, check the first update's ratio and log ``train/*``."""
         self.window_records, self.skipped_samples = report.records, report.skipped_samples
-        self.last_rollout = RolloutBatch(report.trajectory, report.cond, report.advantages,
-                                         report.trajectory.ref_velocities)
+        self.last_rollout = RolloutBatch(report.trajectory, report.cond, report.advantages)
         warning = self.ratio_check(report.first_update_stats)
         self.first_update_ratio_deviation, self.first_update_ratio_off = self.ratio_check.deviation, self.ratio_check.off
         if warning:
@@ -261,7 +264,7 @@ class JAGGModule(L.LightningModule):
         # from the parts a memory budget or fused_samples splits them into)
         self.exact_backwards = len(self.plan.trained_steps) * report.micro_batches
         values = train_metrics(report, self.windows, self.ratio_check, self.exact_backwards,
-                               self.sampler.reference_forwards, collectives.gradient_all_reduces)
+                               collectives.gradient_all_reduces)
         rewards = report.rewards
         self.log_dict({f"train/{k}": v.float() for k, v in values.items()}, batch_size=rewards.shape[0])
         self.log("reward", rewards.mean().float(), prog_bar=True, batch_size=rewards.shape[0], logger=False)
@@ -275,9 +278,9 @@ class JAGGModule(L.LightningModule):
         """``evaluation.samples_per_prompt`` images per prompt (prompt-major) [N, 3, H, W] in [0, 1]: ODE
         sampling with ``evaluation.num_steps`` steps and guidance, with the inference (EMA) weights."""
         ev = self.evaluation
-        with self.sampler.guidance(ev.guidance_scale), self.inference_weights():
+        with self.inference_weights():
             return self.sampler.ode_images(prompts, prompt_indices, ev.samples_per_prompt, ev.seed, EVAL_STEP,
-                                           ev.num_steps)
+                                           ev.num_steps, self.policy.guidance(ev.guidance_scale))
 
     def on_validation_epoch_start(self) -> None:
         self._eval = EvalSums(self.device, self.evaluation.grid_prompts * self.evaluation.samples_per_prompt)
@@ -324,19 +327,18 @@ class JAGGModule(L.LightningModule):
         at the current theta. Leaves weights, ``.grad``, optimizer state and RNG streams untouched."""
         if self.last_rollout is None:
             return []
-        with self.training_guidance():  # the rollout's condition layout
-            return self.updater.check_windows(self.last_rollout, self.plan, [p for _, p in self._trainable_named_parameters()],
-                                              max_samples)
+        return self.updater.check_windows(self.last_rollout, self.plan, [p for _, p in self._trainable_named_parameters()],
+                                          max_samples)
 
     # ------------------------------------------------------------------ precision and checkpoints
     def to(self, *args, **kwargs):
         """Moves devices; a floating dtype is ignored. Precision plugins ("bf16-true", "16-true", "64-true") cast
         the whole module: the frozen weights already hold ``policy.dtype`` (paired with the precision by
         :func:`check_precision`) and the LoRA weights -- hence the optimizer state -- stay float32."""
-        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        device, dtype = _to_arguments(args, kwargs)
         if dtype is None or not dtype.is_floating_point:
             return super().to(*args, **kwargs)
-        return self if device is None else super().to(device=device, non_blocking=non_blocking)
+        return self if device is None else super().to(device=device, non_blocking=kwargs.get("non_blocking", False))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Checkpoints hold only the trainable (LoRA) weights (:func:`~jagg_lightning.state.trainable_keys_only`)."""
@@ -355,7 +357,12 @@ class JAGGModule(L.LightningModule):
         checkpoint["jagg"] = state.jagg_section(self.policy, self.ema, self.rollouts_done, self._step_rng)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        state.check_checkpoint_adapter(checkpoint, self.policy, {n for n, _ in self._trainable_named_parameters()})
+        try:  # the path the Trainer loads, for the error that names it (load_from_checkpoint: no Trainer)
+            ckpt_path = self.trainer.ckpt_path
+        except RuntimeError:
+            ckpt_path = None
+        state.check_checkpoint_adapter(checkpoint, self.policy, {n for n, _ in self._trainable_named_parameters()},
+                                       ckpt_path)
         extra = checkpoint.get("jagg", {})
         self.rollouts_done = int(extra.get("rollouts", checkpoint.get("global_step", 0)))
         if self.ema is not None and extra.get("ema") is not None:

@@ -1,6 +1,7 @@
 """Which steps get a gradient pass, which take the KL reference in the rollout, which keep their graph in the
-fused mode, and how the passes are laid out under a memory budget. Plain functions of the ``jagg`` config and
-the windows; the activation size comes in as a callable (measured once, only when a budget asks for it).
+fused mode, and how the passes are laid out under a memory budget. Plain functions of the ``jagg`` and ``memory``
+config sections and the windows; the activation size comes in as a callable (measured once, only when a budget
+asks for it).
 """
 
 from __future__ import annotations
@@ -8,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from jagg_lightning.estimators import ESTIMATORS
 from jagg_lightning.jagg import Window
 
 if TYPE_CHECKING:
-    from jagg_lightning.config import JAGGConfig
+    from jagg_lightning.config import JAGGConfig, MemoryConfig
 
 ActivationBytes = Callable[[], int]
 """Bytes autograd keeps for ONE sample's forward with grad (:meth:`jagg_lightning.sampler.Sampler.activation_bytes`)."""
@@ -21,11 +23,11 @@ def pass_steps_before_routing(windows: list[Window], jagg: JAGGConfig, interiors
     """Steps that get a backward whatever the routing decides -- anchors (routed or exact) and every step
     of a window exact for certain (a short tail, or ``jagg_frac`` routing none) -- plus, with
     ``interiors``, the interiors of windows that may stay exact (``jagg_frac`` < 1 or a ``score_limit``) or may
-    be drawn for the control variate (``jagg.estimator``)."""
+    be given passes by the estimator (``jagg.estimator``: the control variate's draws)."""
     j = jagg
     full = [w for w in windows if len(w.steps) == j.window_size]
     routed_count = int(j.jagg_frac * len(full) + 0.5)
-    all_routed = routed_count == len(full) and j.score_limit is None and j.estimator == "paper"
+    all_routed = routed_count == len(full) and j.score_limit is None and not ESTIMATORS[j.estimator].may_pass_interiors
     keep: set[int] = set()
     for w in windows:
         if len(w.steps) < j.window_size or routed_count == 0:
@@ -47,37 +49,40 @@ def reference_steps(windows: list[Window], jagg: JAGGConfig) -> set[int]:
     return pass_steps_before_routing(windows, jagg, interiors=False)
 
 
-def fused_graph_steps(windows: list[Window], jagg: JAGGConfig) -> set[int]:
+def fused_graph_steps(windows: list[Window], jagg: JAGGConfig, memory: MemoryConfig) -> set[int]:
     """The steps whose graph the fused rollout keeps: every step that may get a backward, known before
-    routing (:func:`pass_steps_before_routing`; interiors with ``fused_exact_interior``)."""
-    return pass_steps_before_routing(windows, jagg, jagg.fused_exact_interior)
+    routing (:func:`pass_steps_before_routing`; interiors with ``memory.fused_interior_graphs``)."""
+    return pass_steps_before_routing(windows, jagg, memory.fused_interior_graphs)
 
 
-def pass_plan(samples: int, windows: list[Window], jagg: JAGGConfig, activation_bytes: ActivationBytes) -> tuple[int, bool]:
-    """(samples per pass, split anchors) for ``samples`` over the routed ``windows`` under
-    ``jagg.memory_budget_mb``.
+def pass_plan(samples: int, windows: list[Window], memory: MemoryConfig,
+              activation_bytes: ActivationBytes) -> tuple[int, bool]:
+    """(samples per pass, split anchors) for ``samples`` over the routed ``windows`` under ``memory.budget_mb``.
 
     A pass over n samples of one step keeps n a bytes (a = ``activation_bytes()``); a batched anchor
     pass keeps 2 n a. Two plans fit the budget B: batched anchors on c_b = B // 2a samples a pass, or
     split anchors on c_s = B // a; with R routed windows and E exact steps they make
-    (R + E) ceil(n / c_b) and (2R + E) ceil(n / c_s) passes. The plan with fewer passes wins (batched
-    on a tie; split when c_b < 1). A budget below one sample's pass still runs one sample at a time.
-    Without a budget: all samples, ``jagg.low_memory``."""
-    budget = jagg.memory_budget_mb
+    (R + E) ceil(n / c_b) and (2R + E) ceil(n / c_s) passes. ``memory.anchors: auto``: the plan with fewer passes
+    wins (batched on a tie; split when c_b < 1); ``batched`` / ``split``: that plan. A budget below one sample's
+    pass still runs one sample at a time. Without a budget: all samples, batched unless ``anchors: split``."""
+    budget, anchors = memory.budget_mb, memory.anchors
     if budget is None:
-        return samples, jagg.low_memory
+        return samples, anchors == "split"
     per_sample, limit = max(activation_bytes(), 1), int(budget * 2**20)
     routed = sum(1 for w in windows if w.routed)
     exact = len({k for w in windows if not w.routed for k in w.steps})
     batched, split = min(samples, limit // (2 * per_sample)), max(1, min(samples, limit // per_sample))
-    if batched >= 1 and (routed + exact) * -(-samples // batched) <= (2 * routed + exact) * -(-samples // split):
+    if anchors == "batched":
+        return max(1, batched), False
+    if anchors == "auto" and batched >= 1 and (
+            (routed + exact) * -(-samples // batched) <= (2 * routed + exact) * -(-samples // split)):
         return batched, False
     return split, True
 
 
-def fused_samples(kept_steps: int, jagg: JAGGConfig, activation_bytes: ActivationBytes) -> int | None:
-    """Samples of each rollout micro-batch whose graphs the fused mode keeps: ``jagg.fused_samples``, else
-    as many as ``memory_budget_mb`` holds for ``kept_steps`` graphs (at least 1), else all (None)."""
-    if jagg.fused_samples is not None or jagg.memory_budget_mb is None:
-        return jagg.fused_samples
-    return max(1, int(jagg.memory_budget_mb * 2**20) // (max(kept_steps, 1) * max(activation_bytes(), 1)))
+def fused_samples(kept_steps: int, memory: MemoryConfig, activation_bytes: ActivationBytes) -> int | None:
+    """Samples of each rollout micro-batch whose graphs the fused mode keeps: ``memory.fused_samples``, else
+    as many as ``memory.budget_mb`` holds for ``kept_steps`` graphs (at least 1), else all (None)."""
+    if memory.fused_samples is not None or memory.budget_mb is None:
+        return memory.fused_samples
+    return max(1, int(memory.budget_mb * 2**20) // (max(kept_steps, 1) * max(activation_bytes(), 1)))

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import warnings
+
+from jagg_lightning.old_keys import JAGGDeprecationWarning
 
 # warnings that are filtered, each with why it is harmless here
 HARMLESS = [
@@ -36,6 +39,20 @@ def quiet_defaults() -> None:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.showwarning = _one_line_deprecations(warnings.showwarning)
+
+
+def _one_line_deprecations(show):
+    """A renamed config key is ONE ``jagg: <old> is deprecated: use <new>`` line (not Python's two with a source
+    line); every other warning as before."""
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, JAGGDeprecationWarning):
+            print(f"jagg: {message}", file=file or sys.stderr)
+            return
+        show(message, category, filename, lineno, file, line)
+
+    return showwarning
 
 
 def unexpected_lines(stderr: str) -> list[str]:

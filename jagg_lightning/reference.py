@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from jagg_lightning.policies.base import DTYPES
+from jagg_lightning.dtypes import DTYPES
 
 
 class FrozenReference:
@@ -50,13 +50,9 @@ class FrozenReference:
 
 
 def _frozen_copy(network: nn.Module, dtype: torch.dtype) -> nn.Module:
-    hooks = network._forward_pre_hooks
-    network._forward_pre_hooks = type(hooks)()  # the copy runs in its own dtype: no up-cast hook
-    try:
-        copied = copy.deepcopy(network)
-    finally:
-        network._forward_pre_hooks = hooks
-    return nn.Module.to(copied.requires_grad_(False).eval(), dtype)
+    """A frozen copy in ``dtype``. It keeps the network's input up-cast hook (full_finetune.py), which does nothing
+    on it: the hook casts inputs up to the weights' dtype, and the copy's weights are the compute dtype."""
+    return nn.Module.to(copy.deepcopy(network).requires_grad_(False).eval(), dtype)
 
 
 def attach_reference(policy, kl_beta: float) -> FrozenReference | None:
@@ -76,17 +72,19 @@ def reference_applied(policy):
     if reference is None:
         raise RuntimeError("policy.trainable 'full' keeps a frozen reference copy only with grpo.kl_beta > 0: there "
                            "are no initial weights to sample with")
-    trained = {name: policy._modules[name] for name in reference.networks}
+    trained = {name: getattr(policy, name) for name in reference.networks}
     if not reference.sharded:  # unsharded: fetch it to where the policy computes
         device = next(trained["transformer"].parameters()).device
         for network in reference.networks.values():
             if next(network.parameters()).device != device:
                 network.to(device)
-    policy._modules.update(reference.networks)
+    for name, network in reference.networks.items():  # nn.Module's own attribute assignment registers it
+        setattr(policy, name, network)
     try:
         yield
     finally:
-        policy._modules.update(trained)
+        for name, network in trained.items():
+            setattr(policy, name, network)
         for network in reference.networks.values():
             if reference.sharded:  # FSDP2 keeps a root's parameters gathered after forward, for a backward that
                 network.reshard()  # a reference never makes: free them

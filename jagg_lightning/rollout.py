@@ -13,7 +13,7 @@ DanceGRPO's ``timestep_fraction`` at window granularity).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +21,9 @@ import torch
 from torch import Tensor
 
 from jagg_lightning.batching import batch_slice
+from jagg_lightning.dtypes import compute_dtype
 from jagg_lightning.jagg import VelocityFn, Window, plan_windows
-from jagg_lightning.sde import LogProbConvention, StepKind, sample_step, step_distribution
+from jagg_lightning.sde import STEP_KINDS, LogProbConvention, StepKind, sample_step, step_distribution
 
 if TYPE_CHECKING:
     from jagg_lightning.config import JAGGConfig, SamplingConfig
@@ -127,7 +128,7 @@ def plan_rollout(sampling: SamplingConfig, jagg: JAGGConfig, step: int, rollout:
     ``breaks``: steps where the policy switches networks (``Policy.expert_starts``), never straddled."""
     kinds, stochastic = step_kinds_at(sampling, step, rollout)
     windows = plan_windows(stochastic, jagg.window_size, jagg.chained, breaks)
-    chosen = choose_windows(len(windows), sampling.window_fraction, sampling.seed, step)
+    chosen = choose_windows(len(windows), jagg.window_fraction, sampling.seed, step)
     return RolloutPlan(kinds, stochastic, [windows[i] for i in chosen])
 
 
@@ -146,14 +147,31 @@ class Trajectory:
         return Trajectory(self.latents[:, index], self.log_probs[:, index], self.velocities[:, index], self.times, ref)
 
 
-MicroBatchHook = Callable[[slice, Tensor, Trajectory], None]
-"""(samples of the micro-batch, its final latents, the trajectory being filled: rows ``samples`` complete)."""
-GraphHook = Callable[[int, Tensor], None]
-"""(step k, velocity WITH its autograd graph for the first ``grad_samples`` samples of the micro-batch)."""
+@dataclass
+class SampledMicroBatch:
+    """One rollout micro-batch, as it ends: its ``rows`` of the step's ``trajectory`` (complete up to
+    ``rows.stop``), the velocities kept WITH their autograd graphs for its first ``graph_rows`` samples (the fused
+    mode: step k -> [graph_rows, ...]) and the reference (adapter-off) forwards it made."""
+
+    rows: slice
+    trajectory: Trajectory
+    graphs: dict[int, Tensor] = field(default_factory=dict)
+    graph_rows: int = 0
+    reference_forwards: int = 0
+
+    @property
+    def part(self) -> Trajectory:
+        """Its samples' trajectories (views: what is written into them is the step's)."""
+        return self.trajectory.select(self.rows)
+
+    @property
+    def final(self) -> Tensor:
+        """Its samples' final latents z_S."""
+        return self.trajectory.latents[-1, self.rows]
 
 
 @torch.no_grad()
-def sample_trajectories(
+def rollout_micro_batches(
     velocity_fn: VelocityFn,
     cond: Any,
     generators: Sequence[torch.Generator],
@@ -164,30 +182,26 @@ def sample_trajectories(
     micro_batch_size: int,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
-    on_micro_batch: MicroBatchHook | None = None,
     cps_log_prob: LogProbConvention = "squared_error",
     reference_fn: VelocityFn | None = None,
     reference_steps: Collection[int] = (),
     grad_steps: Collection[int] = (),
     grad_samples: int | None = None,
-    on_graph: GraphHook | None = None,
-) -> Trajectory:
-    """Run len(generators) samples through the S = len(step_kinds) steps, micro-batch by micro-batch.
+) -> Iterator[SampledMicroBatch]:
+    """Run len(generators) samples through the S = len(step_kinds) steps, micro-batch by micro-batch, yielding each
+    micro-batch as it ends (the caller decodes and scores it, or updates on it, while the next one waits).
 
     The stored log-prob of a step is 0 when the step is deterministic (ODE, or CPS into t = 0): never NaN.
-
-    ``on_micro_batch(samples, final_latents, trajectory)`` is called as each micro-batch finishes (e.g. to
-    decode and score it while the next one samples, or to run the fused update on its kept graphs).
     ``reference_fn`` (e.g. the policy with its adapter off) is evaluated at ``reference_steps`` on the
     same z and t, into ``ref_velocities``: the KL reference costs no second pass over the latents.
     At ``grad_steps`` the first ``grad_samples`` samples of each micro-batch (default: all) are run with
-    grad and ``on_graph(k, v)`` receives the velocity with its graph; the sampler uses it detached.
+    grad; the micro-batch carries those velocities with their graphs (``graphs``); the sampler uses them detached.
     """
     num = len(generators)
     steps = len(step_kinds)
     if len(times) != steps + 1:
         raise ValueError(f"times must have {steps + 1} entries, got {len(times)}")
-    dtype = torch.float64 if dtype == torch.float64 else torch.float32  # the SDE never runs in half precision
+    dtype = compute_dtype(dtype)  # the SDE never runs in half precision
     latents = torch.empty(steps + 1, num, *latent_shape, dtype=dtype, device=device)
     velocities = torch.empty(steps, num, *latent_shape, dtype=dtype, device=device)
     log_probs = torch.zeros(steps, num, dtype=dtype, device=device)
@@ -198,36 +212,46 @@ def sample_trajectories(
     def noise(gens):
         return torch.stack([torch.randn(*latent_shape, generator=g, dtype=dtype) for g in gens]).to(device)
 
-    def velocity(k: int, z: Tensor, cond_mb) -> Tensor:
+    def velocity(k: int, z: Tensor, cond_mb, mb: SampledMicroBatch) -> Tensor:
         t = times[k].expand(z.shape[0])
-        if k not in grad_steps or on_graph is None:
+        if k not in grad_steps:
             return velocity_fn(z, t, cond_mb)
-        n = z.shape[0] if grad_samples is None else min(grad_samples, z.shape[0])
+        n = mb.graph_rows
         with torch.enable_grad():
             v = velocity_fn(z[:n], t[:n], batch_slice(cond_mb, slice(0, n)))
-        on_graph(k, v)
+        mb.graphs[k] = v
         if n == z.shape[0]:
             return v.detach()
         return torch.cat([v.detach(), velocity_fn(z[n:], t[n:], batch_slice(cond_mb, slice(n, None)))])
 
     for start in range(0, num, micro_batch_size):
         part = slice(start, min(start + micro_batch_size, num))
+        size = part.stop - part.start
+        mb = SampledMicroBatch(part, traj, graph_rows=size if grad_samples is None else min(grad_samples, size))
         gens, cond_mb = generators[part], batch_slice(cond, part)
         z = noise(gens)
         latents[0, part] = z
         for k, kind in enumerate(step_kinds):
-            v = velocity(k, z, cond_mb).to(dtype)
+            v = velocity(k, z, cond_mb, mb).to(dtype)
             if ref is not None and k in reference_steps:
                 ref[k, part] = reference_fn(z, times[k].expand(z.shape[0]), cond_mb).to(dtype)
+                mb.reference_forwards += 1
             dist = step_distribution(z, v, times[k], times[k + 1], kind, noise_level)
             eps = noise(gens)
-            z = sample_step(dist, eps) if kind != "ode" else dist.mean
+            stochastic = STEP_KINDS[kind].stochastic
+            z = sample_step(dist, eps) if stochastic else dist.mean
             velocities[k, part] = v
             latents[k + 1, part] = z
-            if kind != "ode":
+            if stochastic:
                 log_probs[k, part] = dist.log_prob(z, cps_log_prob)
-        if on_micro_batch is not None:
-            on_micro_batch(part, z, traj)
+        yield mb
+
+
+def sample_trajectories(*args, **kwargs) -> Trajectory:
+    """:func:`rollout_micro_batches` run to the end: the whole trajectory (evaluation's ODE samples, the checks)."""
+    traj = None
+    for mb in rollout_micro_batches(*args, **kwargs):
+        traj = mb.trajectory
     return traj
 
 
@@ -235,7 +259,6 @@ def sample_trajectories(
 class RolloutBatch:
     """What one training step's rollout produced, kept until the next step for diagnostics."""
 
-    trajectory: Trajectory
+    trajectory: Trajectory  # its ref_velocities: the KL reference the update used
     cond: tuple
     advantages: Tensor
-    ref_velocities: Tensor | None

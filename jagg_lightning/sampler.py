@@ -1,5 +1,6 @@
-"""The sampling side of a training step: schedule, prompt encoding, the rollout with its scoring, the KL
-reference velocities, ODE samples for evaluation, and the activation size a memory budget is measured in.
+"""The sampling side of a training step: schedule, prompt encoding, the training guidance, the rollout's
+micro-batches and their scoring, the KL reference velocities, ODE samples for evaluation, and the activation size a
+memory budget is measured in.
 
 A :class:`Sampler` is handed the policy, the ``sampling`` settings and the KL weight (a reference is taken only
 when it is > 0); the reward is handed in with each call that scores (the module's ``reward_fn``, which a user
@@ -8,34 +9,55 @@ may replace at any time). It never calls back into the module. Plain torch, no L
 
 from __future__ import annotations
 
+import functools
+from collections import deque
+from collections.abc import Collection, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from jagg_lightning.batching import batch_slice
+from jagg_lightning.dtypes import compute_dtype
 from jagg_lightning.rewards import Reward
 from jagg_lightning.rewards.base import RewardError
-from jagg_lightning.rollout import Trajectory, sample_generators, sample_trajectories, step_kinds_at
+from jagg_lightning.rollout import (
+    SampledMicroBatch, Trajectory, rollout_micro_batches, sample_generators, sample_trajectories, step_kinds_at,
+)
+
+if TYPE_CHECKING:
+    from jagg_lightning.policies.base import Guidance
 
 EVAL_STEP = -1  # the "global step" that seeds evaluation noise: the same at every evaluation
 
 
-def sde_dtype_of(policy_dtype: str | None) -> torch.dtype:
-    """The SDE math runs in float32 whatever the model dtype (float64 with a float64 policy)."""
-    return torch.float64 if policy_dtype == "float64" else torch.float32
+@dataclass
+class ScoredMicroBatch:
+    """A rollout micro-batch (:class:`~jagg_lightning.rollout.SampledMicroBatch`) with its rewards."""
+
+    sampled: SampledMicroBatch
+    rewards: Tensor  # [n]
+    components: dict[str, Tensor]  # reward component -> [n]
+
+    @property
+    def rows(self) -> slice:
+        return self.sampled.rows
+
+    @property
+    def trajectory(self) -> Trajectory:
+        return self.sampled.trajectory
 
 
 class Sampler:
     def __init__(self, policy, sampling, kl_beta: float, reward_workers: int = 0):
         self.policy, self.sampling, self.kl_beta, self.reward_workers = policy, sampling, kl_beta, reward_workers
-        self.sde_dtype = sde_dtype_of(policy.config.dtype)
-        self.reference_forwards = 0  # adapter-off forwards (of a micro-batch) since the caller last reset it
+        self.sde_dtype = compute_dtype(policy.config.dtype)  # the SDE math's: float32 (float64 with float64)
         self._pool: ThreadPoolExecutor | None = None
         self._in_flight: list[Future] = []  # unfinished reward-pool jobs (bounded: score_later)
         self._schedules: dict[tuple, Tensor] = {}
-        self._activation_bytes: dict[float, int] = {}  # per guidance scale: see activation_bytes()
+        self._activation_bytes: dict[Guidance, int] = {}  # per guidance: see activation_bytes()
 
     @property
     def device(self) -> torch.device:
@@ -54,69 +76,82 @@ class Sampler:
     def times(self) -> Tensor:
         return self.schedule()
 
-    @contextmanager
-    def guidance(self, scale: float | None):
-        """The policy with classifier-free guidance ``scale`` (None = unchanged) for the duration."""
-        if scale is None:
-            yield
-            return
-        previous = self.policy.config.guidance_scale
-        self.policy.config.guidance_scale = float(scale)
-        try:
-            yield
-        finally:
-            self.policy.config.guidance_scale = previous
+    @property
+    def guidance(self) -> Guidance:
+        """The guidance of rollouts and training: ``sampling.train_guidance_scale`` (null: ``policy.guidance_scale``)."""
+        return self.policy.guidance(self.sampling.train_guidance_scale)
+
+    def velocity(self, z: Tensor, t: Tensor, cond) -> Tensor:
+        """The policy's velocity under :attr:`guidance`: what the rollout samples with and the update differentiates."""
+        return self.policy.velocity(z, t, cond, self.guidance)
 
     # ------------------------------------------------------------------ rollout
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> tuple:
         """The per-sample condition of a rollout: each prompt's embeddings repeated K times (prompt-major)."""
         K = self.sampling.group_size
-        return tuple(c.repeat_interleave(K, dim=0) for c in self.policy.encode_prompts(prompts))
+        return tuple(c.repeat_interleave(K, dim=0) for c in self.policy.encode_prompts(prompts, self.guidance))
 
-    @torch.no_grad()
-    def rollout(self, prompts: list[str], prompt_indices: list[int], step: int,
-                on_micro_batch=None, step_kinds: list[str] | None = None, reference_steps: list[int] = (),
-                cond: tuple | None = None, **graph_options) -> tuple[Trajectory, tuple]:
-        """K samples per prompt (prompt-major): the trajectory and the per-sample condition.
+    def rollout(self, cond: tuple, prompt_indices: list[int], step: int, step_kinds: list[str] | None = None,
+                reference_steps: Collection[int] = (), graph_steps: Collection[int] = (),
+                graph_samples: int | None = None) -> Iterator[SampledMicroBatch]:
+        """K samples per prompt (prompt-major, ``cond`` = :meth:`encode` of the prompts), yielded micro-batch by
+        micro-batch as each ends (:func:`~jagg_lightning.rollout.rollout_micro_batches`).
 
         ``step_kinds`` default: those of the rollout at ``step`` (:func:`~jagg_lightning.rollout.step_kinds_at`).
         With kl_beta > 0 the reference velocity (adapter off) of every ``reference_steps`` step is taken
-        inside the rollout, on the same z and t (``traj.ref_velocities``). ``cond``: :meth:`encode` of the
-        prompts, if already made. ``graph_options``: the fused mode's ``grad_steps``, ``grad_samples`` and
-        ``on_graph`` (:func:`sample_trajectories`)."""
-        K = self.sampling.group_size
-        cond = self.encode(prompts) if cond is None else cond
-        traj = sample_trajectories(
-            self.policy.velocity, cond, sample_generators(self.sampling.seed, step, prompt_indices, K),
+        inside the rollout, on the same z and t (``trajectory.ref_velocities``). The fused mode's ``graph_steps``
+        keep their graphs for the first ``graph_samples`` samples of each micro-batch (None: all)."""
+        return rollout_micro_batches(
+            self.velocity, cond, sample_generators(self.sampling.seed, step, prompt_indices, self.sampling.group_size),
             self.policy.latent_shape, self.times, step_kinds or step_kinds_at(self.sampling, step)[0],
             self.sampling.noise_level, self.sampling.rollout_batch_size, self.device, self.sde_dtype,
-            on_micro_batch, self.sampling.cps_log_prob,
+            self.sampling.cps_log_prob,
             reference_fn=self.reference_velocity if self.kl_beta > 0 and reference_steps else None,
-            reference_steps=set(reference_steps), **graph_options,
+            reference_steps=set(reference_steps), grad_steps=set(graph_steps), grad_samples=graph_samples,
         )
+
+    def trajectories(self, prompts: list[str], prompt_indices: list[int], step: int,
+                     step_kinds: list[str] | None = None, reference_steps: Collection[int] = ()) -> tuple[Trajectory, tuple]:
+        """The whole rollout of ``prompts``, unscored: (trajectory, per-sample condition)."""
+        cond = self.encode(prompts)
+        traj = None
+        for mb in self.rollout(cond, prompt_indices, step, step_kinds, reference_steps):
+            traj = mb.trajectory
         return traj, cond
 
-    @torch.no_grad()
+    def scored(self, micro_batches: Iterable[SampledMicroBatch], reward: Reward, sample_prompts: list[str],
+               ahead: int | None = None) -> Iterator[ScoredMicroBatch]:
+        """Each micro-batch with its rewards, in order. A micro-batch is decoded and scored as soon as it is sampled
+        (in the reward pool when ``reward_workers`` > 0, :meth:`score_later`, so scoring overlaps the next one's
+        sampling) and yielded once ``ahead`` more have been sampled (None: after the last one)."""
+        waiting: deque[tuple[SampledMicroBatch, Future]] = deque()
+
+        def oldest() -> ScoredMicroBatch:
+            mb, job = waiting.popleft()
+            return ScoredMicroBatch(mb, *job.result())
+
+        for mb in micro_batches:
+            waiting.append((mb, self.score_later(reward, mb.final, sample_prompts[mb.rows])))
+            while ahead is not None and len(waiting) > ahead:
+                yield oldest()
+        while waiting:
+            yield oldest()
+
     def rollout_and_score(self, prompts: list[str], prompt_indices: list[int], step: int,
-                          step_kinds: list[str] | None = None, reference_steps: list[int] = (), *, reward: Reward):
-        """The rollout with every micro-batch decoded and scored as soon as it is sampled -- in the reward
-        pool when ``reward_workers`` > 0 (:meth:`score_later`), so decoding and scoring overlap the next
-        micro-batch's sampling.
+                          step_kinds: list[str] | None = None, reference_steps: Collection[int] = (), *,
+                          reward: Reward):
+        """The whole rollout, every micro-batch decoded and scored as soon as it is sampled (:meth:`scored`).
 
         Returns (trajectory, condition, per-sample prompts, rewards [N], {component: scores [N]}).
         """
         sample_prompts = [p for p in prompts for _ in range(self.sampling.group_size)]
-        pending: list[Future] = []
-
-        def score_micro_batch(part: slice, final: Tensor, _traj: Trajectory) -> None:
-            pending.append(self.score_later(reward, final, sample_prompts[part]))
-
-        traj, cond = self.rollout(prompts, prompt_indices, step, score_micro_batch, step_kinds, reference_steps)
-        results = [f.result() for f in pending]
-        rewards = torch.cat([total for total, _ in results])
-        components = {name: torch.cat([c[name] for _, c in results]) for name in results[0][1]}
-        return traj, cond, sample_prompts, rewards, components
+        cond = self.encode(prompts)
+        parts = list(self.scored(self.rollout(cond, prompt_indices, step, step_kinds, reference_steps), reward,
+                                 sample_prompts))
+        rewards = torch.cat([p.rewards for p in parts])
+        components = {name: torch.cat([p.components[name] for p in parts]) for name in parts[0].components}
+        return parts[0].trajectory, cond, sample_prompts, rewards, components
 
     def score_later(self, reward: Reward, final: Tensor, prompts: list[str]) -> Future:
         """Decode final latents and score them: a job of the reward pool when ``reward_workers`` > 0 (the
@@ -164,10 +199,9 @@ class Sampler:
     # ------------------------------------------------------------------ KL reference
     @torch.no_grad()
     def reference_velocity(self, z: Tensor, t: Tensor, cond) -> Tensor:
-        """The reference policy's velocity: the policy with its adapter off (counted: ``train/passes/reference_forward``)."""
-        self.reference_forwards += 1
+        """The reference policy's velocity: the policy with its adapter off."""
         with self.policy.adapter_disabled():
-            return self.policy.velocity(z, t, cond)
+            return self.velocity(z, t, cond)
 
     @torch.no_grad()
     def reference_velocities(self, traj: Trajectory, cond: tuple, steps: list[int]) -> Tensor | None:
@@ -182,24 +216,29 @@ class Sampler:
         return out
 
     @torch.no_grad()
-    def reference_at_step(self, traj: Trajectory, cond: tuple, k: int, out: Tensor) -> None:
-        """out[k] = the reference velocity at step k of the finished ``traj``, in rollout-sized passes."""
+    def reference_at_step(self, traj: Trajectory, cond: tuple, k: int, out: Tensor) -> int:
+        """out[k] = the reference velocity at step k of the finished ``traj``, in rollout-sized passes; returns the
+        forwards made (``train/passes/reference_forward`` counts them)."""
         size = self.sampling.rollout_batch_size
         for i in range(0, out.shape[1], size):
             z = traj.latents[k, i : i + size]
             out[k, i : i + size] = self.reference_velocity(z, traj.times[k].expand(z.shape[0]),
                                                            batch_slice(cond, slice(i, i + size)))
+        return -(-out.shape[1] // size)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def ode_images(self, prompts: list[str], prompt_indices, samples_per_prompt: int, seed: int, step: int,
-                   num_steps: int) -> Tensor:
+                   num_steps: int, guidance: Guidance | None = None) -> Tensor:
         """``samples_per_prompt`` images per prompt (prompt-major) [N, 3, H, W] in [0, 1] by ODE (Euler)
-        sampling with ``num_steps`` steps and the policy's current guidance and weights; the noise of sample i
-        of prompt index j depends on (seed, step, j, i) only."""
-        cond = tuple(c.repeat_interleave(samples_per_prompt, dim=0) for c in self.policy.encode_prompts(list(prompts)))
+        sampling with ``num_steps`` steps, ``guidance`` (None: ``policy.guidance_scale``) and the policy's current
+        weights; the noise of sample i of prompt index j depends on (seed, step, j, i) only."""
+        guidance = guidance or self.policy.guidance()
+        encoded = self.policy.encode_prompts(list(prompts), guidance)
+        cond = tuple(c.repeat_interleave(samples_per_prompt, dim=0) for c in encoded)
         traj = sample_trajectories(
-            self.policy.velocity, cond, sample_generators(seed, step, prompt_indices, samples_per_prompt),
+            functools.partial(self.policy.velocity, guidance=guidance), cond,
+            sample_generators(seed, step, prompt_indices, samples_per_prompt),
             self.policy.latent_shape, self.schedule(num_steps), ["ode"] * num_steps, 0.0,
             self.sampling.rollout_batch_size, self.device, self.sde_dtype,
         )
@@ -214,7 +253,7 @@ class Sampler:
         measures a pass of that many, uncached)."""
         if samples > 1:
             return self._measure_activation_bytes(samples)
-        key = float(self.policy.config.guidance_scale)
+        key = self.guidance
         if key not in self._activation_bytes:
             self._activation_bytes[key] = self._measure_activation_bytes(1)
         return self._activation_bytes[key]
@@ -232,5 +271,5 @@ class Sampler:
         cond = tuple(c[:1].repeat_interleave(samples, dim=0) for c in self.encode(["a"]))
         z = torch.randn(samples, *self.policy.latent_shape, generator=torch.Generator().manual_seed(0))
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            self.policy.velocity(z.to(self.device), torch.full((samples,), 0.5, device=self.device), cond)
+            self.velocity(z.to(self.device), torch.full((samples,), 0.5, device=self.device), cond)
         return sum(seen.values())

@@ -41,14 +41,17 @@ Plain torch: no Lightning here.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-StepKind = Literal["sde", "sde_constant", "cps", "ode"]
-STEP_KINDS = ("sde", "sde_constant", "cps", "ode")
+from jagg_lightning.dtypes import compute_dtype
+
+StepKind = str
+"""A name in :data:`STEP_KINDS`."""
 LogProbConvention = Literal["squared_error", "gaussian"]
 CPS_LOG_PROBS = ("squared_error", "gaussian")
 
@@ -73,11 +76,6 @@ def flow_match_sigmas(num_steps: int, shift: float = 3.0, num_train_timesteps: i
     base = torch.linspace(1.0, float(sigma_min), num_steps, dtype=torch.float64)
     sigmas = shift_sigmas(base, shift).to(torch.float32)
     return torch.cat([sigmas, sigmas.new_zeros(1)])
-
-
-def compute_dtype(*tensors: Tensor) -> torch.dtype:
-    """float64 if any input is float64, else float32: the SDE never runs in half precision."""
-    return torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
 
 
 def _per_sample(t: Tensor | float, like: Tensor) -> Tensor:
@@ -108,7 +106,7 @@ class StepDistribution:
         """
         if cps_log_prob not in CPS_LOG_PROBS:
             raise ValueError(f"cps_log_prob must be one of {CPS_LOG_PROBS}, got {cps_log_prob!r}")
-        if self.kind == "cps" and cps_log_prob == "squared_error":
+        if STEP_KINDS[self.kind].squared_error_log_prob and cps_log_prob == "squared_error":
             return squared_error_log_prob(sample, self.mean)
         return gaussian_log_prob(sample, self.mean, self.std)
 
@@ -134,6 +132,54 @@ def gaussian_log_prob(sample: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     return lp.mean(dim=tuple(range(1, lp.ndim)))
 
 
+def _flow_grpo_sde(z: Tensor, v: Tensor, t: Tensor, t_next: Tensor, a: float) -> tuple[Tensor, Tensor, Tensor]:
+    dt = t_next - t
+    # Flow-GRPO: at t = 1 the (1 - t) denominator takes the next time instead.
+    sigma = a * torch.sqrt(t / (1 - torch.where(t >= 1, t_next, t)))
+    return z + (v + sigma**2 / (2 * t) * (z + (1 - t) * v)) * dt, sigma * torch.sqrt(-dt), sigma
+
+
+def _constant_sde(z: Tensor, v: Tensor, t: Tensor, t_next: Tensor, a: float) -> tuple[Tensor, Tensor, Tensor]:
+    dt = t_next - t
+    sigma = torch.full_like(t, a)
+    return z + (v + sigma**2 / (2 * t) * (z + (1 - t) * v)) * dt, sigma * torch.sqrt(-dt), sigma
+
+
+def _cps(z: Tensor, v: Tensor, t: Tensor, t_next: Tensor, a: float) -> tuple[Tensor, Tensor, Tensor]:
+    std = t_next * math.sin(a * math.pi / 2)
+    x_hat, eps_hat = z - t * v, z + (1 - t) * v
+    # clamp: t_next^2 - std^2 >= 0 mathematically (sin <= 1), rounding must not make it NaN
+    return (1 - t_next) * x_hat + torch.sqrt((t_next**2 - std**2).clamp_min(0)) * eps_hat, std, std
+
+
+def _ode(z: Tensor, v: Tensor, t: Tensor, t_next: Tensor, a: float) -> tuple[Tensor, Tensor, Tensor]:
+    dt = t_next - t
+    std = torch.zeros_like(dt)
+    return z + v * dt, std, std
+
+
+@dataclass(frozen=True)
+class StepKindSpec:
+    """One kind of sampling step: how it moves z -- ``moments(z, v, t, t_next, noise_level)`` -> (mean, std, sigma),
+    sigma being Flow-GRPO's ``std_dev_t`` -- and the facts the config checks read."""
+
+    moments: Callable[[Tensor, Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor, Tensor]]
+    stochastic: bool  # it has a density: a rollout may train it (sampling.step_kind)
+    deterministic_into_zero: bool = False  # its step into t = 0 has no noise, so no density (CPS's last step)
+    squared_error_log_prob: bool = False  # sampling.cps_log_prob "squared_error" is its log-prob (Flow-GRPO's CPS)
+
+
+# The one table of step kinds: step_distribution, the rollout and the config checks read it. A new kind is an
+# entry here (and a line in the module docstring); docs/architecture.md "How to add a step kind".
+STEP_KINDS: dict[str, StepKindSpec] = {
+    "sde": StepKindSpec(_flow_grpo_sde, stochastic=True),
+    "sde_constant": StepKindSpec(_constant_sde, stochastic=True),
+    "cps": StepKindSpec(_cps, stochastic=True, deterministic_into_zero=True, squared_error_log_prob=True),
+    "ode": StepKindSpec(_ode, stochastic=False),
+}
+TRAINABLE_STEP_KINDS = tuple(name for name, kind in STEP_KINDS.items() if kind.stochastic)
+
+
 def step_distribution(
     z: Tensor,
     v: Tensor,
@@ -142,33 +188,13 @@ def step_distribution(
     kind: StepKind = "sde",
     noise_level: float = 0.7,
 ) -> StepDistribution:
-    """Mean and std of one sampling step from t to t_next (see the module docstring)."""
+    """Mean and std of one sampling step from t to t_next (see the module docstring and :data:`STEP_KINDS`)."""
+    if kind not in STEP_KINDS:
+        raise ValueError(f"step kind must be one of {tuple(STEP_KINDS)}, got {kind!r}")
     dtype = compute_dtype(z, v)
     z, v = z.to(dtype), v.to(dtype)
     t, t_next = _per_sample(t, z), _per_sample(t_next, z)
-    dt = t_next - t
-    if kind in ("sde", "sde_constant"):
-        if kind == "sde":
-            # Flow-GRPO: at t = 1 the (1 - t) denominator takes the next time instead.
-            denominator_t = torch.where(t >= 1, t_next, t)
-            sigma = noise_level * torch.sqrt(t / (1 - denominator_t))
-        else:
-            sigma = torch.full_like(t, noise_level)
-        mean = z + (v + sigma**2 / (2 * t) * (z + (1 - t) * v)) * dt
-        std = sigma * torch.sqrt(-dt)
-    elif kind == "cps":
-        std = t_next * math.sin(noise_level * math.pi / 2)
-        x_hat = z - t * v
-        eps_hat = z + (1 - t) * v
-        # clamp: t_next^2 - std^2 >= 0 mathematically (sin <= 1), rounding must not make it NaN
-        mean = (1 - t_next) * x_hat + torch.sqrt((t_next**2 - std**2).clamp_min(0)) * eps_hat
-        sigma = std
-    elif kind == "ode":
-        mean = z + v * dt
-        std = torch.zeros_like(dt)
-        sigma = std
-    else:
-        raise ValueError(f"step kind must be one of {STEP_KINDS}, got {kind!r}")
+    mean, std, sigma = STEP_KINDS[kind].moments(z, v, t, t_next, noise_level)
     as_tensor = lambda x: torch.as_tensor(x, dtype=dtype, device=z.device)  # noqa: E731
     return StepDistribution(mean, as_tensor(std), as_tensor(sigma), kind)
 

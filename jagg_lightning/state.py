@@ -107,23 +107,26 @@ def jagg_section(policy, ema, rollouts: int, rng: dict | None = None) -> dict:
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint written for another adapter (base model, family, LoRA rank or targets); the CLI shows it as one
-    ``jagg: error:`` line naming ``ckpt_path``."""
+    ``jagg: error:`` line naming ``ckpt_path`` (the checkpoint's path, when the Trainer loading it says)."""
+
+    def __init__(self, message: str, ckpt_path: str | None = None):
+        super().__init__(message)
+        self.ckpt_path = ckpt_path
 
 
-def check_checkpoint_adapter(checkpoint: dict, policy, trainable: set[str]) -> None:
+def check_checkpoint_adapter(checkpoint: dict, policy, trainable: set[str], ckpt_path: str | None = None) -> None:
     """Refuse a checkpoint whose adapter is not this policy's (identity, when recorded, and the LoRA keys)."""
     saved = checkpoint.get("jagg", {}).get("adapter")
     if saved is not None:  # checkpoints from before identities were recorded load on the key check below
         mismatch = identity_mismatch(saved, adapter_identity(policy))
         if mismatch:
             raise CheckpointMismatchError(
-                "the checkpoint's adapter does not match this module's (model.policy): " + "; ".join(mismatch))
+                "the checkpoint's adapter does not match this module's (model.policy): " + "; ".join(mismatch), ckpt_path)
     missing = trainable - set(checkpoint["state_dict"])
     if missing:
         raise CheckpointMismatchError(
             f"the checkpoint lacks {len(missing)} LoRA weights (e.g. {sorted(missing)[0]}): was it written with "
-            "the same policy.lora_targets / lora_rank?"
-        )
+            "the same policy.lora_targets / lora_rank?", ckpt_path)
 
 
 def restore_rng(rng: dict | None) -> None:
@@ -138,10 +141,8 @@ def trainable_keys_only(result, trainable: set[str], strict: bool):
     """The outcome of loading a checkpoint that holds only the trainable (LoRA) weights: the frozen weights
     (rebuilt from ``policy``) are not reported missing (Lightning would print every one of them); missing
     trainable weights are, and fail when ``strict``, as do unexpected keys."""
-    from torch.nn.modules.module import _IncompatibleKeys
-
     missing = [k for k in result.missing_keys if k in trainable]
     if strict and (missing or result.unexpected_keys):
         raise RuntimeError(f"LoRA checkpoint does not fit: missing {missing[:3]}, unexpected "
                            f"{result.unexpected_keys[:3]}")
-    return _IncompatibleKeys(missing, list(result.unexpected_keys))
+    return result._replace(missing_keys=missing, unexpected_keys=list(result.unexpected_keys))  # a NamedTuple

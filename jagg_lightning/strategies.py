@@ -117,7 +117,7 @@ def shard_policy(policy, mesh, strategy=None) -> None:
     compute in ``policy.dtype``), and the frozen reference copy of a full fine-tune sharded alike;
     ``strategy.cpu_offload`` (:class:`FSDP2Strategy`) adds FSDP2's CPU offload."""
     from jagg_lightning.full_finetune import fsdp_options
-    from jagg_lightning.policies import DTYPES
+    from jagg_lightning.dtypes import DTYPES
 
     full = policy.config.trainable == "full"
     options = fsdp_options(DTYPES[policy.config.dtype], bool(getattr(strategy, "cpu_offload", False)), full)

@@ -1,10 +1,11 @@
-"""The routed update: from a scored rollout to LoRA gradients and optimizer steps.
+"""The training step's update: from the rollout's micro-batches to LoRA gradients and optimizer steps.
 
-Unfused (:meth:`Updater.unfused`): route the windows on the recorded velocities, complete the KL reference,
-then for every update (``inner_epochs`` x micro-batches per update) run the JAGG engine
-(:func:`jagg_lightning.jagg.accumulate_gradients`) over shuffled micro-batches and step the optimizer.
-Fused (:meth:`Updater.fused`): the rollout itself keeps the graphs of the steps that get a backward and each
-rollout micro-batch is scored, given its advantages, routed and back-propagated as soon as it is sampled.
+:meth:`Updater.step` drives both modes, top to bottom. The rollout yields its micro-batches, each scored as it is
+sampled (:meth:`~jagg_lightning.sampler.Sampler.scored`). Fused (``jagg.fused_rollout``: theta = theta_old, the
+rollout keeps the graphs of the steps that get a backward): each micro-batch, as it is scored, gets its advantages,
+its routing, its KL reference completed and ONE backward. Unfused: the same over the finished rollout, then
+``inner_epochs`` passes over shuffled micro-batches, one optimizer step per update (:meth:`Updater.update_rollout`).
+Everything the module logs comes back in the :class:`StepReport`.
 
 The :class:`Updater` is handed the policy, the config sections and the :class:`~jagg_lightning.sampler.Sampler`;
 what belongs to the Lightning side (the backward call, the optimizer step, the collectives) comes in per
@@ -21,15 +22,16 @@ from torch import Tensor
 
 from jagg_lightning.batching import batch_slice
 from jagg_lightning.collectives import Collectives
+from jagg_lightning.estimators import build_estimator
 from jagg_lightning.grpo import StepRecord, combined_advantages, group_advantages, step_loss
 from jagg_lightning.jagg import (
-    Window, WindowGradientCheck, WindowRecord, accumulate_gradients, alphas, check_window_gradients, draw_corrections,
-    route_windows, routing_score,
+    Window, WindowGradientCheck, WindowRecord, accumulate_gradients, alphas, check_window_gradients,
 )
+from jagg_lightning.routing import route_windows, routing_score
 from jagg_lightning.passes import fused_graph_steps, fused_samples, pass_plan, reference_steps
 from jagg_lightning.rewards import Reward, component_weights
-from jagg_lightning.rollout import RolloutBatch, RolloutPlan, Trajectory, sample_seed
-from jagg_lightning.sampler import Sampler
+from jagg_lightning.rollout import RolloutBatch, RolloutPlan, SampledMicroBatch, Trajectory, sample_seed
+from jagg_lightning.sampler import Sampler, ScoredMicroBatch
 
 _ROUTING_STREAM, _CONTROL_STREAM = -4, -5  # sample_seed streams of the random routing scores and the control draws
 
@@ -46,24 +48,55 @@ class UpdateHooks:
 
 @dataclass
 class StepReport:
-    """What one training step's rollout and update produced: the module logs it and keeps it for callbacks."""
+    """What one training step's rollout and update produced: the module logs it and keeps it for callbacks. Filled
+    in as the step runs: :meth:`add_scored` per rollout micro-batch, :meth:`add_advantages` per advantage batch."""
 
-    trajectory: Trajectory
     cond: tuple
-    rewards: Tensor  # [N]
-    components: dict[str, Tensor]  # reward component -> [N]
-    advantages: Tensor  # [N]
-    records: list[WindowRecord]  # per window and engine pass
-    stats: list  # (k, StepLossStats) of the updates after the first
-    first_update_stats: list  # (k, StepLossStats) of the first update after the rollout (theta = theta_old)
-    micro_batches: int  # training micro-batches over all updates (exact GRPO's backward count per step)
+    trajectory: Trajectory | None = None
+    records: list[WindowRecord] = field(default_factory=list)  # per window and engine pass
+    stats: list = field(default_factory=list)  # (k, StepLossStats) of the updates after the first
+    first_update_stats: list = field(default_factory=list)  # (k, StepLossStats) of the first update (theta = theta_old)
+    micro_batches: int = 0  # training micro-batches over all updates (exact GRPO's backward count per step)
     skipped_samples: int = 0  # zero-advantage samples given no pass
-    advantage_parts: dict[str, Tensor] = field(default_factory=dict)  # each weighted reward's part [N] of the advantages
+    reference_forwards: int = 0  # adapter-off forwards of the step (rollout and completed reference)
+    _rewards: list[Tensor] = field(default_factory=list)
+    _components: list[dict[str, Tensor]] = field(default_factory=list)
+    _advantages: list[Tensor] = field(default_factory=list)
+    _parts: list[dict[str, Tensor]] = field(default_factory=list)
+
+    def add_scored(self, scored: ScoredMicroBatch) -> None:
+        self.trajectory = scored.trajectory
+        self.reference_forwards += scored.sampled.reference_forwards
+        self._rewards.append(scored.rewards)
+        self._components.append(scored.components)
+
+    def add_advantages(self, advantages: Tensor, parts: dict[str, Tensor]) -> Tensor:
+        self._advantages.append(advantages)
+        self._parts.append(parts)
+        return advantages
+
+    @property
+    def rewards(self) -> Tensor:  # [N]
+        return torch.cat(self._rewards)
+
+    @property
+    def components(self) -> dict[str, Tensor]:  # reward component -> [N]
+        return {name: torch.cat([c[name] for c in self._components]) for name in self._components[0]}
+
+    @property
+    def advantages(self) -> Tensor:  # [N]
+        return torch.cat(self._advantages)
+
+    @property
+    def advantage_parts(self) -> dict[str, Tensor]:  # each weighted reward's part [N] of the advantages
+        return {name: torch.cat([p[name] for p in self._parts]) for name in self._parts[0]} if self._parts else {}
 
 
 class Updater:
-    def __init__(self, policy, sampling, grpo, jagg, sampler: Sampler):
-        self.policy, self.sampling, self.grpo, self.jagg, self.sampler = policy, sampling, grpo, jagg, sampler
+    def __init__(self, policy, sampling, grpo, jagg, memory, sampler: Sampler):
+        self.policy, self.sampling, self.grpo, self.jagg, self.memory = policy, sampling, grpo, jagg, memory
+        self.sampler = sampler
+        self.estimator = build_estimator(jagg)  # a routed window's draws and fold weights (estimators/)
 
     def advantages(self, rewards: Tensor, collectives: Collectives | None = None) -> Tensor:
         """Group advantages of rewards [N] laid out prompt-major (``grpo`` settings; global std over all processes)."""
@@ -94,9 +127,9 @@ class Updater:
     def route(self, traj: Trajectory, windows: list[Window], collectives: Collectives | None = None, step: int = 0,
               draw: int = 0) -> list[Window]:
         """Score every window from the recorded velocities (``jagg.routing``; mean over all samples of all
-        processes), route and, with ``jagg.estimator: control_variate``, draw each routed window's B (in place;
-        the windows are returned). ``random`` scores and the draws come from generators seeded by (sampling.seed,
-        ``step``, ``draw``: the fused mode's micro-batch), alike on every process; the global RNG is untouched."""
+        processes), route and let the estimator (``jagg.estimator``) make its draws (the control variate's B; in place;
+        the windows are returned). ``random`` scores and the draws come from generators seeded by (the rollout stream's
+        seed, ``step``, ``draw``: the fused mode's micro-batch), alike on every process; the global RNG is untouched."""
         gen = torch.Generator().manual_seed(sample_seed(self.sampling.seed, step, _ROUTING_STREAM, draw))
         scores = torch.stack([routing_score(self.jagg.routing, traj.velocities, traj.times, w.steps, gen)
                               for w in windows]).to(self.sampler.device)
@@ -104,19 +137,19 @@ class Updater:
             # every process must route alike: under DDP the backward calls (and their all-reduces) must match
             scores = (collectives or Collectives()).mean(scores)
         route_windows(windows, scores.tolist(), self.jagg.jagg_frac, self.jagg.window_size, self.jagg.score_limit)
-        control = self.jagg.estimator == "control_variate"
         gen = torch.Generator().manual_seed(sample_seed(self.sampling.seed, step, _CONTROL_STREAM, draw))
-        draw_corrections(windows, self.jagg.control_p if control else None, gen)
+        self.estimator.draw(windows, gen)
         return windows
 
     @torch.no_grad()
-    def complete_reference(self, traj: Trajectory, cond: tuple, windows: list[Window], taken: set[int]) -> None:
+    def complete_reference(self, traj: Trajectory, cond: tuple, windows: list[Window], taken: set[int]) -> int:
         """Fill in, once the windows are routed, the reference velocities the rollout did not take
         (``interpolate_reference``): a routed window's interior steps are interpolated from its anchors'
-        (alpha_k of the window), an exact window's are taken with the adapter off. In place."""
-        ref = traj.ref_velocities
+        (alpha_k of the window), an exact window's are taken with the adapter off. In place; returns the
+        adapter-off forwards it made."""
+        ref, forwards = traj.ref_velocities, 0
         if ref is None:
-            return
+            return 0
         for w in windows:
             missing = [k for k in w.interior if k not in taken]
             if missing and w.routed:
@@ -127,7 +160,8 @@ class Updater:
                         ref[k] = (1 - alpha[i]).to(ref.dtype) * ref[a] + alpha[i].to(ref.dtype) * ref[b]
             else:
                 for k in missing:
-                    self.sampler.reference_at_step(traj, cond, k, ref)
+                    forwards += self.sampler.reference_at_step(traj, cond, k, ref)
+        return forwards
 
     # ------------------------------------------------------------------ the engine
     def step_loss_fn(self, mb: Trajectory, advantages: Tensor, ref_v: Tensor | None, scale: float, stats: list):
@@ -148,29 +182,34 @@ class Updater:
         return loss_of_step
 
     def backward_samples(self, mb: Trajectory, advantages: Tensor, cond: tuple, update_size: int, plan: RolloutPlan,
-                         windows: list[Window], use_cache: bool, stats: list, backward) -> list[WindowRecord]:
-        """The engine over ``mb``'s samples, in passes of as many samples as ``jagg.memory_budget_mb`` allows
-        (:func:`~jagg_lightning.passes.pass_plan`); each sample's loss is scaled by 1 / (update_size * trained steps)."""
-        size, split_anchors = pass_plan(advantages.shape[0], windows, self.jagg, self.sampler.activation_bytes)
+                         windows: list[Window], first_update: bool, stats: list, backward) -> list[WindowRecord]:
+        """The engine over ``mb``'s samples, in passes of as many samples as ``memory.budget_mb`` allows
+        (:func:`~jagg_lightning.passes.pass_plan`); each sample's loss is scaled by 1 / (update_size * trained steps).
+        ``first_update``: theta is still the rollout's theta_old (:meth:`engine_pass`)."""
+        size, split_anchors = pass_plan(advantages.shape[0], windows, self.memory, self.sampler.activation_bytes)
         records = []
         for start in range(0, advantages.shape[0], size):
             rows = slice(start, start + size)
             records += self.engine_pass(mb.select(rows), advantages[rows], batch_slice(cond, rows), update_size, plan,
-                                        windows, use_cache, stats, split_anchors, backward)
+                                        windows, first_update, stats, split_anchors, backward)
         return records
 
     def engine_pass(self, mb: Trajectory, advantages: Tensor, cond: tuple, update_size: int, plan: RolloutPlan,
-                    windows: list[Window], use_cache: bool, stats: list, low_memory: bool, backward,
+                    windows: list[Window], first_update: bool, stats: list, split_anchors: bool, backward,
                     graphs: dict[int, Tensor] | None = None):
-        """One :func:`accumulate_gradients` call over all of ``mb``'s samples. ``use_cache``: theta is still the
-        rollout's theta_old; the anchors then take one forward each, of the rollout's batch shape (with one
-        backward), so the recomputed log-probs are the rollout's bit for bit (ratio exactly 1)."""
+        """One :func:`accumulate_gradients` call over all of ``mb``'s samples. ``first_update`` (theta is still the
+        rollout's theta_old) means two things: the interiors' g_k come from the rollout's recorded velocities
+        (``interior_cache``, with ``jagg.cache_interior``), and each anchor takes a forward of its own at the
+        rollout's batch shape (not ``batch_anchors``), so the recomputed log-probs are the rollout's bit for bit
+        (ratio exactly 1); its two anchors still share ONE backward unless ``split_anchors``."""
+        interior_cache = mb.velocities if first_update and self.jagg.cache_interior else None
+        batch_anchors = not first_update
         scale = advantages.shape[0] / (update_size * len(plan.trained_steps))
         loss_of_step = self.step_loss_fn(mb, advantages, mb.ref_velocities, scale, stats)
         return accumulate_gradients(
-            self.policy.velocity, mb.latents, mb.times, cond, loss_of_step, windows,
-            cached_velocities=mb.velocities if (use_cache and self.jagg.cache_interior) else None,
-            low_memory=low_memory, backward=backward, graphs=graphs, batch_anchors=not use_cache,
+            self.sampler.velocity, mb.latents, mb.times, cond, loss_of_step, windows, cached_velocities=interior_cache,
+            low_memory=split_anchors, backward=backward, graphs=graphs, batch_anchors=batch_anchors,
+            interior_terms=self.estimator.interior_terms,
         )
 
     def drop_zero_advantage(self, group: list[Tensor], advantages: Tensor,
@@ -198,21 +237,79 @@ class Updater:
         at the current theta (:func:`~jagg_lightning.jagg.check_window_gradients`; ``.grad`` untouched)."""
         index = torch.arange(batch.advantages.shape[0], device=batch.advantages.device)[:max_samples]
         mb = batch.trajectory.select(index)
-        ref = None if batch.ref_velocities is None else batch.ref_velocities[:, index]
-        loss_of_step = self.step_loss_fn(mb, batch.advantages[index], ref, 1.0 / len(plan.trained_steps), [])
-        return check_window_gradients(self.policy.velocity, params, mb.latents, mb.times,
+        loss_of_step = self.step_loss_fn(mb, batch.advantages[index], mb.ref_velocities, 1.0 / len(plan.trained_steps), [])
+        return check_window_gradients(self.sampler.velocity, params, mb.latents, mb.times,
                                       batch_slice(batch.cond, index), loss_of_step, plan.windows)
 
-    # ------------------------------------------------------------------ the two update modes
-    def unfused(self, traj: Trajectory, cond: tuple, rewards: Tensor, components: dict[str, Tensor],
-                advantages: Tensor, step: int, plan: RolloutPlan, taken: set[int], hooks: UpdateHooks) -> StepReport:
-        """Route, complete the reference, then ``inner_epochs`` passes over shuffled micro-batches of the finished
-        rollout, one optimizer step per update."""
+    # ------------------------------------------------------------------ the step
+    def step(self, prompts: list[str], indices: list[int], step: int, plan: RolloutPlan, reward: Reward,
+             hooks: UpdateHooks) -> StepReport:
+        """One training step's rollout and update, fused or unfused (the module docstring).
+
+        Fused: as each rollout micro-batch of n samples (whole groups) is scored -- its groups' advantages, its
+        windows routed on its own recorded velocities (mean over the processes), its reference completed, and ONE
+        backward over its kept graphs (:meth:`fused_backward`) -- then one optimizer step. With ``reward_workers``
+        > 0 a micro-batch is scored in the reward pool while the next one samples, and updated once that one is
+        sampled (the same backward calls in the same order; the graphs of two micro-batches are held meanwhile).
+        """
+        fused = self.jagg.fused_rollout
+        taken = reference_steps(plan.windows, self.jagg)
+        cond = self.sampler.encode(prompts)
+        graph_steps = fused_graph_steps(plan.windows, self.jagg, self.memory) if fused else set()
+        graph_samples = fused_samples(len(graph_steps), self.memory, self.sampler.activation_bytes) if fused else None
+        rollout = self.sampler.rollout(cond, indices, step, plan.step_kinds, sorted(taken), graph_steps, graph_samples)
+        sample_prompts = [p for p in prompts for _ in range(self.sampling.group_size)]
+        report = StepReport(cond)
+        ahead = (1 if self.sampler.reward_workers else 0) if fused else None  # unfused: the update needs them all
+        for scored in self.sampler.scored(rollout, reward, sample_prompts, ahead):
+            report.add_scored(scored)
+            if not fused:
+                continue
+            # group std (check_fused): this micro-batch's groups alone
+            advantages = report.add_advantages(*self.reward_advantages(scored.rewards, scored.components, reward,
+                                                                       hooks.collectives))
+            mb, mb_cond = scored.sampled.part, batch_slice(cond, scored.rows)  # views: the trajectory's
+            windows = self.route(mb, plan.windows, hooks.collectives, step, scored.rows.start)
+            report.reference_forwards += self.complete_reference(mb, mb_cond, windows, taken)
+            self.fused_backward(scored.sampled, mb_cond, advantages, len(sample_prompts), plan, windows, hooks, report)
+        if fused:
+            hooks.optimizer_step()
+            report.micro_batches = -(-len(sample_prompts) // self.sampling.rollout_batch_size)
+        else:
+            self.update_rollout(report, plan, taken, step, reward, hooks)
+        return report
+
+    def fused_backward(self, sampled: SampledMicroBatch, cond: tuple, advantages: Tensor, num: int, plan: RolloutPlan,
+                       windows: list[Window], hooks: UpdateHooks, report: StepReport) -> None:
+        """ONE backward over the micro-batch's kept graphs, its interiors' g_k folded in from the recorded
+        velocities (each sample's loss scaled by 1 / (``num`` * trained steps), as the unfused update); samples
+        beyond the kept ones go through the unfused engine (interiors from the cache). All groups tied (zero
+        advantage, kl_beta 0): no backward, a zero gradient (its forwards were the rollout's)."""
+        mb, n, kept = sampled.part, advantages.shape[0], sampled.graph_rows
+        if self.grpo.skip_zero_advantage and self.grpo.kl_beta == 0 and not bool(advantages.any()):
+            report.skipped_samples += n
+            return
+        with hooks.collectives.local_backward():
+            rows = slice(0, kept)
+            report.records += self.engine_pass(mb.select(rows), advantages[rows], batch_slice(cond, rows), num, plan,
+                                               windows, True, report.first_update_stats, self.memory.anchors == "split",
+                                               hooks.backward, sampled.graphs)
+            if kept < n:  # the samples without kept graphs: the unfused engine, interiors from the cache
+                rows = slice(kept, n)
+                report.records += self.backward_samples(mb.select(rows), advantages[rows], batch_slice(cond, rows), num,
+                                                        plan, windows, True, report.first_update_stats, hooks.backward)
+
+    def update_rollout(self, report: StepReport, plan: RolloutPlan, taken: set[int], step: int, reward: Reward,
+                       hooks: UpdateHooks) -> None:
+        """The unfused update of the finished rollout: advantages, routing, the completed reference, then
+        ``inner_epochs`` passes over shuffled micro-batches, one optimizer step per update."""
+        traj, cond = report.trajectory, report.cond
+        advantages = report.add_advantages(*self.reward_advantages(report.rewards, report.components, reward,
+                                                                   hooks.collectives))
         self.route(traj, plan.windows, hooks.collectives, step)
-        self.complete_reference(traj, cond, plan.windows, taken)
+        report.reference_forwards += self.complete_reference(traj, cond, plan.windows, taken)
         num = advantages.shape[0]
         shuffle = torch.Generator().manual_seed(sample_seed(self.sampling.seed, step, -1))
-        report = StepReport(traj, cond, rewards, components, advantages, [], [], [], 0)
         theta_is_old = True
         for _ in range(self.grpo.inner_epochs):
             # shuffled into micro-batches, each in the rollout's row order: a matmul kernel may round a row
@@ -236,73 +333,3 @@ class Updater:
                 hooks.optimizer_step()
                 theta_is_old = False
         report.micro_batches = self.grpo.inner_epochs * len(micro)
-        return report
-
-    def fused(self, prompts: list[str], indices: list[int], step: int, plan: RolloutPlan, reward: Reward,
-              hooks: UpdateHooks) -> StepReport:
-        """Rollout and update in one pass (``jagg.fused_rollout``; see :func:`~jagg_lightning.passes.fused_graph_steps`).
-
-        As each rollout micro-batch of n samples (whole groups) ends: decode, score, advantages, route its
-        windows on its own recorded velocities (mean over the processes), fold the interior g_k from
-        those velocities into the anchors and run ONE backward over the kept graphs (scaled by
-        n / (N * trained steps), as the unfused update); samples beyond ``fused_samples`` go through the
-        unfused engine (interiors from the cache), then the graphs are freed. With ``reward_workers`` > 0 a
-        micro-batch is decoded and scored in the reward pool while the next one samples and its update runs
-        once that one is sampled (the same backward calls in the same order; the graphs of two micro-batches
-        are held meanwhile).
-        """
-        K = self.sampling.group_size
-        sample_prompts = [p for p in prompts for _ in range(K)]
-        num = len(sample_prompts)
-        graphs: dict[int, Tensor] = {}
-        rewards, components, advantages, parts = [], [], [], []
-        records: list[WindowRecord] = []
-        stats: list = []
-        skipped = 0
-        cond = self.sampler.encode(prompts)
-        graph_steps = fused_graph_steps(plan.windows, self.jagg)
-        graph_samples = fused_samples(len(graph_steps), self.jagg, self.sampler.activation_bytes)
-        waiting: list[tuple] = []  # (samples, trajectory, scoring job, kept graphs) not updated yet
-
-        def update_micro_batch(part: slice, traj: Trajectory, scored, kept_graphs: dict[int, Tensor]) -> None:
-            nonlocal skipped
-            total, comps = scored.result()
-            # group std (check_fused): this micro-batch's groups alone
-            adv, adv_parts = self.reward_advantages(total, comps, reward, hooks.collectives)
-            rewards.append(total), components.append(comps), advantages.append(adv), parts.append(adv_parts)
-            mb, mb_cond = traj.select(part), batch_slice(cond, part)  # views: a completed reference is the trajectory's
-            windows = self.route(mb, plan.windows, hooks.collectives, step, part.start)
-            self.complete_reference(mb, mb_cond, windows, taken)
-            n = adv.shape[0]
-            kept = n if graph_samples is None else min(graph_samples, n)
-            if self.grpo.skip_zero_advantage and self.grpo.kl_beta == 0 and not bool(adv.any()):
-                skipped += n  # all groups tied: a zero gradient, no backward (its forwards were the rollout's)
-                return
-            with hooks.collectives.local_backward():
-                rows = slice(0, kept)
-                records.extend(self.engine_pass(mb.select(rows), adv[rows], batch_slice(mb_cond, rows), num, plan,
-                                                windows, True, stats, self.jagg.low_memory, hooks.backward,
-                                                kept_graphs))
-                if kept < n:  # the samples without kept graphs: the unfused engine, interiors from the cache
-                    rows = slice(kept, n)
-                    records.extend(self.backward_samples(mb.select(rows), adv[rows], batch_slice(mb_cond, rows), num,
-                                                         plan, windows, True, stats, hooks.backward))
-
-        def micro_batch_sampled(part: slice, final: Tensor, traj: Trajectory) -> None:
-            waiting.append((part, traj, self.sampler.score_later(reward, final, sample_prompts[part]), dict(graphs)))
-            graphs.clear()
-            while len(waiting) > (1 if self.sampler.reward_workers else 0):
-                update_micro_batch(*waiting.pop(0))
-
-        taken = reference_steps(plan.windows, self.jagg)
-        traj, cond = self.sampler.rollout(prompts, indices, step, micro_batch_sampled, plan.step_kinds, sorted(taken),
-                                          cond=cond, grad_steps=graph_steps, grad_samples=graph_samples,
-                                          on_graph=graphs.__setitem__)
-        while waiting:
-            update_micro_batch(*waiting.pop(0))
-        hooks.optimizer_step()
-        components = {name: torch.cat([c[name] for c in components]) for name in components[0]}
-        parts = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
-        # the fused update's stats are all of its one (first) update
-        return StepReport(traj, cond, torch.cat(rewards), components, torch.cat(advantages), records, [], stats,
-                          -(-num // self.sampling.rollout_batch_size), skipped, parts)

@@ -32,7 +32,8 @@ class LoRAExport(L.Callback):
 
     def _export(self, trainer, pl_module, name: str) -> Path | None:
         if pl_module.policy.config.trainable == "full":  # no adapter: the consolidated transformer (export.py)
-            from jagg_lightning.export import DTYPES, save_transformer, transformer_state_dict
+            from jagg_lightning.dtypes import DTYPES
+            from jagg_lightning.export import save_transformer, transformer_state_dict
 
             policy, dtype = pl_module.policy, DTYPES[pl_module.policy.config.dtype]
             for network, module in policy.trained_networks().items():  # Wan2.2: transformer, then transformer_2

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
+from lightning_utilities.core.imports import RequirementCache
 
-_Base = RichProgressBar if _RICH_AVAILABLE else TQDMProgressBar
+_Base = RichProgressBar if RequirementCache("rich>=10.2.2") else TQDMProgressBar  # RichProgressBar's own requirement
 
 
 class StepProgressBar(_Base):

@@ -8,12 +8,13 @@ A family is chosen by ``policy.family`` or detected from the pipeline's ``model_
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from jagg_lightning.policies.base import DTYPES, Policy, PolicyConfig
+from jagg_lightning.assets import find_local
+from jagg_lightning.config import PolicyConfig
+from jagg_lightning.policies.base import Policy
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,8 @@ def register_family(name: str, pipeline_classes: tuple[str, ...], module: str, p
 
 
 register_family("sd3", ("StableDiffusion3Pipeline",), "jagg_lightning.policies.sd3", "SD3Policy")
-if importlib.util.find_spec("jagg_lightning.policies.flux") is not None:
-    register_family("flux", ("FluxPipeline",), "jagg_lightning.policies.flux", "FluxPolicy")
-if importlib.util.find_spec("jagg_lightning.policies.qwen_image") is not None:
-    register_family("qwen_image", ("QwenImagePipeline",), "jagg_lightning.policies.qwen_image", "QwenImagePolicy")
+register_family("flux", ("FluxPipeline",), "jagg_lightning.policies.flux", "FluxPolicy")
+register_family("qwen_image", ("QwenImagePipeline",), "jagg_lightning.policies.qwen_image", "QwenImagePolicy")
 register_family("flux2", ("Flux2KleinPipeline",), "jagg_lightning.policies.flux2", "Flux2Policy")
 register_family("z_image", ("ZImagePipeline",), "jagg_lightning.policies.z_image", "ZImagePolicy")
 register_family("wan", ("WanPipeline",), "jagg_lightning.policies.wan", "WanPolicy")
@@ -56,8 +55,6 @@ def check_family(name: str) -> None:
 
 def pipeline_class_name(pretrained: str) -> str:
     """``_class_name`` of a local pipeline directory's model_index.json, or of a hub id's (fetched alone)."""
-    from jagg_lightning.assets import find_local
-
     pretrained = str(find_local(pretrained) or pretrained)  # shipped names, package-relative paths
     index = Path(pretrained) / "model_index.json"
     if index.is_file():
@@ -89,30 +86,6 @@ def detect_family(config: PolicyConfig) -> Family:
     return family_for_pipeline_class(pipeline_class_name(config.pretrained))
 
 
-def check_against_folder(config: PolicyConfig) -> None:
-    """What a local pipeline folder's files tell before any model is built: a ``policy.resolution`` its family cannot
-    take (``vae/`` and ``transformer/config.json``), a ``policy.adapter`` whose parts are for other networks than
-    the family trains (``model_index.json``: a Wan2.1 adapter on Wan2.2, or the reverse). A hub id: checked when
-    the model is built, as is a folder that is not a diffusers pipeline (the build names what is missing)."""
-    from jagg_lightning.adapters import adapter_files
-    from jagg_lightning.assets import find_local
-
-    folder = find_local(config.pretrained) if config.pretrained is not None else None
-    if folder is None or not (folder / "model_index.json").is_file() or (config.resolution is None
-                                                                         and config.adapter is None):
-        return
-    cls = detect_family(config).policy_class()
-    files = [folder / part / "config.json" for part in ("vae", "transformer")]
-    if config.resolution is not None and all(f.is_file() for f in files):
-        vae, transformer = (json.loads(f.read_text()) for f in files)
-        cls.check_resolution(config.resolution, cls.pixel_multiple(vae, transformer))
-    if config.adapter is not None:
-        expected = cls.trained_network_names(json.loads((folder / "model_index.json").read_text()))
-        _, parts = adapter_files(find_local(config.adapter) or config.adapter)
-        if set(parts) != expected:
-            raise ValueError(cls.adapter_mismatch(config.adapter, parts, expected))
-
-
 def policy_class(config: PolicyConfig) -> type[Policy]:
     return detect_family(config).policy_class()
 
@@ -134,5 +107,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["DTYPES", "FAMILIES", "Family", "Policy", "PolicyConfig", "build_policy", "check_against_folder",
-           "check_family", "detect_family", "family_for_pipeline_class", "policy_class", "register_family"]
+__all__ = ["FAMILIES", "Family", "Policy", "PolicyConfig", "build_policy", "check_family", "detect_family", "family_for_pipeline_class", "policy_class", "register_family"]

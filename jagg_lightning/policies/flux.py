@@ -22,14 +22,13 @@ tiny ``T5EncoderModel`` with a character-level T5 tokenizer built offline; 32 px
 
 from __future__ import annotations
 
-import string
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from jagg_lightning.policies.base import Policy, PolicyConfig
-from jagg_lightning.policies.tiny import tiny_clip_tokenizer
+from jagg_lightning.policies.base import Guidance, Policy, PolicyConfig
+from jagg_lightning.policies.tiny import tiny_clip_tokenizer, tiny_t5_tokenizer
 
 # Flow-GRPO's FLUX LoRA targets (scripts/train_flux.py): attention of both streams plus both FFNs.
 # The single-stream blocks' attn.to_q/k/v match too (peft matches module-name suffixes).
@@ -47,16 +46,6 @@ FLUX_LORA_TARGETS = [
     "ff_context.net.0.proj",
     "ff_context.net.2",
 ]
-
-
-def tiny_t5_tokenizer():
-    """A character-level T5 (unigram) tokenizer built offline; saves and loads as a real T5Tokenizer."""
-    from transformers import T5Tokenizer
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
-    pieces += [(c, -2.0) for c in string.ascii_letters + string.digits + string.punctuation]
-    pieces += [("\u2581" + c, -1.5) for c in string.ascii_lowercase]
-    return T5Tokenizer(vocab=pieces, extra_ids=0)
 
 
 def build_tiny_flux_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32, guidance_embeds: bool = True):
@@ -151,8 +140,12 @@ class FluxPolicy(Policy):
                              cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
         return {"mu": mu} if sigmas is None else {"sigmas": sigmas, "mu": mu}
 
+    def cfg(self, guidance: Guidance) -> bool:
+        """Never: FLUX.1-dev's guidance is embedded (one forward, no negative branch)."""
+        return False
+
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> tuple[Tensor, ...]:
+    def encode_prompts(self, prompts: list[str], guidance: Guidance | None = None) -> tuple[Tensor, ...]:
         """(T5 embeddings, CLIP pooled) through the pipeline's own ``encode_prompt``."""
         pe, pooled, _ = self._pipeline.encode_prompt(
             prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.config.max_sequence_length,
@@ -174,16 +167,16 @@ class FluxPolicy(Policy):
         ids[..., 2] += torch.arange(w // 2)[None, :]
         return ids.reshape(-1, 3).to(device=device, dtype=dtype)
 
-    def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...]) -> Tensor:
+    def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...], guidance: Guidance | None = None) -> Tensor:
         """v(z, t): one forward with the embedded guidance ``guidance_scale`` (FLUX.1-dev); ``t`` [n] in [0, 1]."""
         pe, pooled = cond
         dtype = self.transformer.dtype
         n, _, h, w = z.shape
-        guidance = None
+        embedded = None
         if self.transformer.config.guidance_embeds:
-            guidance = torch.full([n], self.config.guidance_scale, device=z.device, dtype=torch.float32)
+            embedded = torch.full([n], (guidance or self.guidance()).scale, device=z.device, dtype=torch.float32)
         out = self.transformer(
-            hidden_states=self.pack(z.to(dtype)), timestep=t, guidance=guidance, pooled_projections=pooled,
+            hidden_states=self.pack(z.to(dtype)), timestep=t, guidance=embedded, pooled_projections=pooled,
             encoder_hidden_states=pe, txt_ids=torch.zeros(pe.shape[1], 3, device=z.device, dtype=pe.dtype),
             img_ids=self.position_ids(h, w, z.device, pe.dtype), return_dict=False,
         )[0]

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from jagg_lightning.policies.base import JOINT_ATTENTION_LORA_TARGETS, Policy, PolicyConfig
+from jagg_lightning.policies.base import JOINT_ATTENTION_LORA_TARGETS, Guidance, Policy, PolicyConfig
+from jagg_lightning.policies.tiny import tiny_qwen3_config, tiny_qwen3_tokenizer
 
 # Flow-Factory's default FLUX.2 [klein] LoRA targets (models/flux/flux2_klein.py ``default_target_modules``):
 # both streams' attention and FFNs in the double-stream blocks, the fused qkv+MLP input projection of the
@@ -58,38 +59,6 @@ FLUX2_SCHEDULER_CONFIG = dict(
     base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15, num_train_timesteps=1000,
     shift=3.0, time_shift_type="exponential", use_dynamic_shifting=True,
 )
-
-# Qwen3's chat template, reduced to what the pipelines render: user turns, the generation prompt, and the
-# empty think block that ``enable_thinking=False`` adds (FLUX.2 klein; Z-Image renders with thinking on).
-QWEN3_CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}"
-    "{%- endif -%}{%- endif -%}"
-)
-
-
-def tiny_qwen3_tokenizer():
-    """The Qwen-Image twin's byte-level Qwen2 tokenizer (built offline) with Qwen3's chat template."""
-    from jagg_lightning.policies.qwen_image import tiny_qwen_tokenizer
-
-    tokenizer = tiny_qwen_tokenizer()
-    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
-    return tokenizer
-
-
-def tiny_qwen3_config(tokenizer, num_layers: int):
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=num_layers,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), tie_word_embeddings=False,
-    )
-
 
 def build_tiny_flux2_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32, distilled: bool = False):
     """A random ``Flux2KleinPipeline`` small enough to train on 2 CPU cores (32 px -> 8 x 8 tokens of 16
@@ -167,9 +136,9 @@ class Flux2Policy(Policy):
             return {"mu": mu}
         return {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps), "mu": mu}
 
-    @property
-    def guided(self) -> bool:
-        return self.config.guidance_scale > 1.0 and not self.distilled
+    def cfg(self, guidance: Guidance) -> bool:
+        """CFG on a base model only: a step-distilled one has its guidance baked in (one forward)."""
+        return guidance.scale > 1.0 and not self.distilled
 
     # ------------------------------------------------------------------ condition, velocity, decode
     def _encode(self, prompts: list[str]) -> Tensor:
@@ -180,10 +149,11 @@ class Flux2Policy(Policy):
         return embeds
 
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> tuple[Tensor, ...]:
+    def encode_prompts(self, prompts: list[str], guidance: Guidance | None = None) -> tuple[Tensor, ...]:
         """Through the pipeline's own ``encode_prompt``; the negative prompt's embeddings with CFG (both are
         padded to ``max_sequence_length``, so they batch together)."""
-        if not self.guided:
+        cfg = self.cfg(guidance or self.guidance())
+        if not cfg:
             return (self._encode(prompts),)
         return self._encode(prompts), self._encode([self.config.negative_prompt] * len(prompts))
 
@@ -215,15 +185,16 @@ class Flux2Policy(Policy):
         )[0]
         return self.from_tokens(out, h, w)
 
-    def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...]) -> Tensor:
+    def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...], guidance: Guidance | None = None) -> Tensor:
         """v(z, t), ``t`` [n] in [0, 1]. With CFG (base models): both branches in one batched forward, the
         combination v_u + w (v_c - v_u) in float32 (float64 when ``z`` is)."""
-        if not self.guided:
+        guidance = guidance or self.guidance()
+        if not self.cfg(guidance):
             return self._forward(z, t, cond[0])
         pe, neg = cond
         out = self._forward(torch.cat([z, z]), torch.cat([t, t]), torch.cat([pe, neg]))
         v_c, v_u = out.to(torch.promote_types(z.dtype, torch.float32)).chunk(2)
-        return v_u + self.config.guidance_scale * (v_c - v_u)
+        return v_u + guidance.scale * (v_c - v_u)
 
     def bn_stats(self, device, dtype) -> tuple[Tensor, Tensor]:
         """(mean, std) of the VAE's batch norm over the patchified channels, shaped [1, 4C, 1, 1]."""

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from jagg_lightning.policies.base import JOINT_ATTENTION_LORA_TARGETS, Policy
+from jagg_lightning.policies.base import JOINT_ATTENTION_LORA_TARGETS, Guidance, Policy
+from jagg_lightning.policies.tiny import tiny_qwen_tokenizer
 
 # LoRA on the joint attention of both streams and on both streams' MLPs: the target set of the Flow-GRPO
 # Qwen-Image recipes (verl's flowgrpo_trainer Qwen-Image example: r 64 / alpha 128 on these modules).
@@ -60,34 +61,6 @@ QWEN_IMAGE_SCHEDULER_CONFIG = dict(
     use_exponential_sigmas=False,
     use_karras_sigmas=False,
 )
-
-# Every word of QwenImagePipeline.prompt_template_encode ("Ġ" = a leading space in byte-level BPE).
-_TEMPLATE_WORDS = ["system", "Describe", "user", "assistant"] + [
-    "Ġ" + w for w in
-    "the image by detailing color shape size texture quantity text spatial relationships of objects and background".split()
-]
-_SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>"]
-
-
-def tiny_qwen_tokenizer():
-    """A byte-level ``Qwen2Tokenizer`` built offline: the 256 byte symbols, merges that spell each template word
-    as one token (so the template's system prefix is 34 tokens, as with Qwen's real vocabulary), and the chat
-    special tokens ``<|im_start|>`` / ``<|im_end|>``. Any other text falls back to (mostly) single bytes."""
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import Qwen2Tokenizer
-
-    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
-    merges = []
-    for word in _TEMPLATE_WORDS:  # left-to-right chains; no chain's first pair occurs inside another word
-        for i in range(1, len(word)):
-            if word[: i + 1] not in vocab:
-                vocab[word[: i + 1]] = len(vocab)
-                merges.append((word[:i], word[i]))
-    vocab["<|endoftext|>"] = len(vocab)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=32768)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(_SPECIAL_TOKENS)})
-    return tokenizer
-
 
 def build_tiny_qwen_image_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32):
     """A random ``QwenImagePipeline`` small enough to train on 2 CPU cores (32 px images -> 8 x 8 packed tokens)."""
@@ -195,18 +168,15 @@ class QwenImagePolicy(Policy):
         return {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps),
                 "mu": calculate_shift(self.latent_shape[0], self.scheduler.config)}
 
-    @property
-    def guided(self) -> bool:
-        return self.config.guidance_scale > 1.0
-
     # ------------------------------------------------------------------ condition, velocity, decode
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> tuple[Tensor, ...]:
+    def encode_prompts(self, prompts: list[str], guidance: Guidance | None = None) -> tuple[Tensor, ...]:
         """Through the pipeline's own ``encode_prompt`` (template, drop of the system prefix, truncation to
         ``max_sequence_length``); prompt and negative zero-padded to one length with their masks."""
+        cfg = self.cfg(guidance or self.guidance())
         length = self.config.max_sequence_length
         pe, mask = self._pipeline.encode_prompt(prompt=list(prompts), device=self.device, max_sequence_length=length)
-        if not self.guided:
+        if not cfg:
             return _padded(pe, mask, pe.shape[1])
         neg, neg_mask = self._pipeline.encode_prompt(
             prompt=[self.config.negative_prompt] * len(prompts), device=self.device, max_sequence_length=length
@@ -223,17 +193,18 @@ class QwenImagePolicy(Policy):
             img_shapes=[[(1, *self.grid)]] * z.shape[0], return_dict=False,
         )[0]
 
-    def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...]) -> Tensor:
+    def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...], guidance: Guidance | None = None) -> Tensor:
         """v(z, t) on packed latents ``[n, S, 4C]``, ``t`` [n] in [0, 1] (the pipeline's ``timestep / 1000``).
         With guidance: the pipeline's true CFG with its per-token norm rescale, one batched forward for both
         branches, the combination in float32 (float64 when ``z`` is)."""
-        if not self.guided:
+        guidance = guidance or self.guidance()
+        if not self.cfg(guidance):
             pe, mask = cond
             return self._forward(z, t, pe, mask)
         pe, mask, neg, neg_mask = cond
         out = self._forward(torch.cat([z, z]), torch.cat([t, t]), torch.cat([pe, neg]), torch.cat([mask, neg_mask]))
         v_c, v_u = out.to(torch.promote_types(z.dtype, torch.float32)).chunk(2)
-        v = v_u + self.config.guidance_scale * (v_c - v_u)
+        v = v_u + guidance.scale * (v_c - v_u)
         norm = torch.linalg.vector_norm
         return v * (norm(v_c, dim=-1, keepdim=True) / norm(v, dim=-1, keepdim=True))
 

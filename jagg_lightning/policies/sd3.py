@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from jagg_lightning.policies.base import JOINT_ATTENTION_LORA_TARGETS, Policy, PolicyConfig
+from jagg_lightning.policies.base import JOINT_ATTENTION_LORA_TARGETS, Guidance, Policy, PolicyConfig
 from jagg_lightning.policies.tiny import tiny_clip_tokenizer
 
 # Flow-GRPO's SD3 LoRA targets: the joint-attention projections of both streams.
@@ -138,10 +138,6 @@ class SD3Policy(Policy):
         side = self.resolution // self.vae_scale_factor
         return (self.latent_channels, side, side)
 
-    @property
-    def guided(self) -> bool:
-        return self.config.guidance_scale > 1.0
-
     def scheduler_kwargs(self, num_steps: int) -> dict:
         """As ``StableDiffusion3Pipeline``: mu from the image sequence length only with dynamic shifting."""
         if not self.scheduler.config.get("use_dynamic_shifting", False):
@@ -154,20 +150,22 @@ class SD3Policy(Policy):
                                       cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.16))}
 
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> tuple[Tensor, ...]:
+    def encode_prompts(self, prompts: list[str], guidance: Guidance | None = None) -> tuple[Tensor, ...]:
         """Prompt embeddings through the pipeline's own ``encode_prompt`` (frozen encoders)."""
+        cfg = self.cfg(guidance or self.guidance())
         pe, neg_pe, pooled, neg_pooled = self._pipeline.encode_prompt(
             prompt=prompts, prompt_2=None, prompt_3=None, device=self.device,
-            do_classifier_free_guidance=self.guided, negative_prompt=[self.config.negative_prompt] * len(prompts),
+            do_classifier_free_guidance=cfg, negative_prompt=[self.config.negative_prompt] * len(prompts),
             max_sequence_length=self.config.max_sequence_length,
         )
-        return (pe, pooled, neg_pe, neg_pooled) if self.guided else (pe, pooled)
+        return (pe, pooled, neg_pe, neg_pooled) if cfg else (pe, pooled)
 
-    def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...]) -> Tensor:
+    def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...], guidance: Guidance | None = None) -> Tensor:
         """v(z, t) with classifier-free guidance v_u + w (v_c - v_u); ``t`` [n] in [0, 1]."""
+        guidance = guidance or self.guidance()
         dtype = self.transformer.dtype
         timestep = t * 1000  # float32, as the SD3 pipeline passes it: bf16 would round 987.5 to 988
-        if self.guided:
+        if self.cfg(guidance):
             pe, pooled, neg_pe, neg_pooled = cond
             out = self.transformer(
                 hidden_states=torch.cat([z, z]).to(dtype), timestep=torch.cat([timestep, timestep]),
@@ -175,7 +173,7 @@ class SD3Policy(Policy):
                 return_dict=False,
             )[0]
             v_u, v_c = out.chunk(2)
-            return v_u + self.config.guidance_scale * (v_c - v_u)
+            return v_u + guidance.scale * (v_c - v_u)
         pe, pooled = cond
         return self.transformer(
             hidden_states=z.to(dtype), timestep=timestep, encoder_hidden_states=pe, pooled_projections=pooled,

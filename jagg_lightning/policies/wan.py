@@ -36,7 +36,8 @@ import torch
 from torch import Tensor, nn
 
 from jagg_lightning.batching import batch_slice
-from jagg_lightning.policies.base import Policy
+from jagg_lightning.policies.base import Guidance, Policy
+from jagg_lightning.policies.tiny import tiny_t5_tokenizer
 
 # LoRA on the self- and cross-attention projections (attn1 / attn2) and the feed-forward of every block: the
 # target set of DanceGRPO's and Flow-Factory's Wan LoRA recipes (peft matches these suffixes in both attentions).
@@ -53,7 +54,6 @@ def build_tiny_wan_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32, t
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from jagg_lightning.policies.flux import tiny_t5_tokenizer
 
     tokenizer = tiny_t5_tokenizer()
     with torch.random.fork_rng(devices=[]):
@@ -127,13 +127,11 @@ class WanPolicy(Policy):
                              f"got {frames}")
         self.num_frames = frames
 
-    def frozen_modules(self) -> list[nn.Module]:
-        return super().frozen_modules() + ([self.transformer_2] if self.transformer_2 is not None else [])
-
     # ------------------------------------------------------------------ experts
     @property
     def experts(self) -> list[nn.Module]:
-        return [m for m in (self.transformer, self.transformer_2) if m is not None]
+        """``transformer`` (high noise) and, for Wan2.2, ``transformer_2`` (low noise)."""
+        return list(self.trained_networks().values())
 
     def high_noise(self, t: Tensor) -> Tensor:
         """Which samples the high-noise expert (``transformer``) takes: 1000 t >= 1000 boundary_ratio, in
@@ -152,11 +150,6 @@ class WanPolicy(Policy):
         windows) follows from it."""
         return [0 if high else 1 for high in self.high_noise(times).tolist()]
 
-    def lora_parameters(self) -> list[nn.Parameter]:
-        return [p for m in self.experts for p in m.parameters() if p.requires_grad]
-
-    trainable_parameters = lora_parameters
-
     def trained_networks(self) -> dict[str, nn.Module]:
         """Both experts train (a LoRA each, or in full): FSDP2 shards both, the KL reference covers both, the
         export writes ``transformer_2`` beside ``transformer`` (loaded by ``WanPipeline.load_lora_weights(dir,
@@ -164,40 +157,31 @@ class WanPolicy(Policy):
         low = {} if self.transformer_2 is None else {"transformer_2": self.transformer_2}
         return {"transformer": self.transformer} | low
 
-    def adapter_disabled(self):
-        if self.config.trainable == "full":  # the frozen copies of both experts (reference.py)
-            return super().adapter_disabled()
-        return _experts_adapter_disabled(self.experts)
-
-    def enable_gradient_checkpointing(self) -> None:
-        for m in self.experts:
-            m.enable_gradient_checkpointing()
-
     # ------------------------------------------------------------------ shapes and schedule
     @property
     def latent_shape(self) -> tuple[int, int, int, int]:
         side = self.resolution // self.spatial
         return (self.transformer.config.in_channels, (self.num_frames - 1) // self.temporal + 1, side, side)
 
-    @property
-    def guided(self) -> bool:
-        return self.config.guidance_scale > 1.0 or (self.transformer_2 is not None and (
-            self.config.guidance_scale_2 or 1.0) > 1.0)
+    def cfg(self, guidance: Guidance) -> bool:
+        """True CFG when either expert's scale is > 1 (both then take the negative branch)."""
+        return guidance.scale > 1.0 or (self.transformer_2 is not None and (guidance.scale_2 or 1.0) > 1.0)
 
     # ------------------------------------------------------------------ condition, velocity, decode
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> tuple[Tensor, ...]:
+    def encode_prompts(self, prompts: list[str], guidance: Guidance | None = None) -> tuple[Tensor, ...]:
         """Through the pipeline's own ``encode_prompt`` (cleaning, UMT5, zeros past each prompt's length)."""
+        cfg = self.cfg(guidance or self.guidance())
         pe, neg = self._pipeline.encode_prompt(
             prompt=list(prompts), negative_prompt=[self.config.negative_prompt] * len(prompts),
-            do_classifier_free_guidance=self.guided, max_sequence_length=self.config.max_sequence_length,
+            do_classifier_free_guidance=cfg, max_sequence_length=self.config.max_sequence_length,
             device=self.device)
-        return (pe, neg) if self.guided else (pe,)
+        return (pe, neg) if cfg else (pe,)
 
-    def _expert_velocity(self, expert: nn.Module, scale: float, z: Tensor, t: Tensor, cond) -> Tensor:
+    def _expert_velocity(self, expert: nn.Module, cfg: bool, scale: float, z: Tensor, t: Tensor, cond) -> Tensor:
         dtype = expert.dtype
         timestep = t * 1000  # float32, as the pipeline's timesteps (sigmas * 1000)
-        if not self.guided:
+        if not cfg:
             return expert(hidden_states=z.to(dtype), timestep=timestep, encoder_hidden_states=cond[0].to(dtype),
                           return_dict=False)[0]
         pe, neg = cond
@@ -206,18 +190,20 @@ class WanPolicy(Policy):
         v_c, v_u = out.chunk(2)
         return v_u + scale * (v_c - v_u)
 
-    def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...]) -> Tensor:
-        """v(z, t) on latents ``[n, C, F', H', W']``, ``t`` [n] in [0, 1]; each sample through its expert."""
-        w1 = self.config.guidance_scale
-        w2 = self.config.guidance_scale_2 if self.config.guidance_scale_2 is not None else w1
+    def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...], guidance: Guidance | None = None) -> Tensor:
+        """v(z, t) on latents ``[n, C, F', H', W']``, ``t`` [n] in [0, 1]; each sample through its expert, with its
+        expert's scale (``guidance.scale``; the low-noise expert ``guidance.scale_2``, None = the same)."""
+        guidance = guidance or self.guidance()
+        cfg, w1 = self.cfg(guidance), guidance.scale
+        w2 = guidance.scale_2 if guidance.scale_2 is not None else w1
         high = self.high_noise(t)
         if self.transformer_2 is None or bool(high.all()):
-            return self._expert_velocity(self.transformer, w1, z, t, cond)
+            return self._expert_velocity(self.transformer, cfg, w1, z, t, cond)
         if not bool(high.any()):
-            return self._expert_velocity(self.transformer_2, w2, z, t, cond)
+            return self._expert_velocity(self.transformer_2, cfg, w2, z, t, cond)
         hi, lo = high.nonzero().squeeze(1), (~high).nonzero().squeeze(1)  # a mixed batch (batched anchors)
-        v_hi = self._expert_velocity(self.transformer, w1, z[hi], t[hi], batch_slice(cond, hi))
-        v_lo = self._expert_velocity(self.transformer_2, w2, z[lo], t[lo], batch_slice(cond, lo))
+        v_hi = self._expert_velocity(self.transformer, cfg, w1, z[hi], t[hi], batch_slice(cond, hi))
+        v_lo = self._expert_velocity(self.transformer_2, cfg, w2, z[lo], t[lo], batch_slice(cond, lo))
         out = v_hi.new_zeros((z.shape[0], *v_hi.shape[1:]))
         return out.index_put((hi,), v_hi).index_put((lo,), v_lo.to(v_hi.dtype))
 
@@ -230,22 +216,6 @@ class WanPolicy(Policy):
         std = torch.tensor(cfg.latents_std, dtype=z.dtype, device=z.device).view(1, cfg.z_dim, 1, 1, 1)
         video = self.vae.decode(z * std + mean, return_dict=False)[0]  # [B, 3, F, H, W]
         return (video.float() / 2 + 0.5).clamp(0, 1).transpose(1, 2).contiguous()
-
-
-class _experts_adapter_disabled:
-    """Every expert's LoRA switched off (the KL reference), restored on exit."""
-
-    def __init__(self, experts):
-        self.experts = experts
-
-    def __enter__(self):
-        for m in self.experts:
-            m.disable_adapters()
-
-    def __exit__(self, *exc):
-        for m in self.experts:
-            m.enable_adapters()
-        return False
 
 
 class Wan22TinyPolicy(WanPolicy):

@@ -33,7 +33,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from jagg_lightning.policies.base import Policy
+from jagg_lightning.policies.base import Guidance, Policy
+from jagg_lightning.policies.tiny import tiny_qwen3_config, tiny_qwen3_tokenizer
 
 # Flow-Factory's default Z-Image LoRA targets (models/z_image/z_image.py ``default_target_modules``): the
 # attention projections and the SwiGLU feed-forward of every block (refiners included: suffix match).
@@ -56,7 +57,6 @@ def build_tiny_z_image_pipeline(seed: int = 0, dtype: torch.dtype = torch.float3
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Model
 
-    from jagg_lightning.policies.flux2 import tiny_qwen3_config, tiny_qwen3_tokenizer
 
     tokenizer = tiny_qwen3_tokenizer()
     with torch.random.fork_rng(devices=[]):
@@ -133,21 +133,18 @@ class ZImagePolicy(Policy):
                              cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
         return {"sigmas": torch.linspace(1.0, 1 / num_steps, num_steps).tolist(), "mu": mu}
 
-    @property
-    def guided(self) -> bool:
-        return self.config.guidance_scale > 1.0
-
     # ------------------------------------------------------------------ condition, velocity, decode
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> tuple[Tensor, ...]:
+    def encode_prompts(self, prompts: list[str], guidance: Guidance | None = None) -> tuple[Tensor, ...]:
         """Through the pipeline's own ``encode_prompt`` (it rewrites the list it gets: a copy is passed)."""
+        cfg = self.cfg(guidance or self.guidance())
         pe, neg = self._pipeline.encode_prompt(
-            prompt=list(prompts), device=self.device, do_classifier_free_guidance=self.guided,
+            prompt=list(prompts), device=self.device, do_classifier_free_guidance=cfg,
             negative_prompt=[self.config.negative_prompt] * len(prompts),
             max_sequence_length=self.config.max_sequence_length,
         )
         longest = max(len(e) for e in list(pe) + list(neg))
-        return (*_padded(pe, longest), *_padded(neg, longest)) if self.guided else _padded(pe, longest)
+        return (*_padded(pe, longest), *_padded(neg, longest)) if cfg else _padded(pe, longest)
 
     def _forward(self, z: Tensor, t: Tensor, embeds: Tensor, mask: Tensor) -> Tensor:
         dtype = self.transformer.dtype
@@ -159,13 +156,14 @@ class ZImagePolicy(Policy):
         )[0]
         return -torch.stack(out).squeeze(2)  # the model predicts -dz/dt
 
-    def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...]) -> Tensor:
+    def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...], guidance: Guidance | None = None) -> Tensor:
         """v(z, t) on ``[n, C, h, w]``, ``t`` [n] in [0, 1]; with CFG both branches in one batched forward, the
         combination v_u + g (v_c - v_u) in float32 (float64 when ``z`` is)."""
-        if not self.guided:
+        guidance = guidance or self.guidance()
+        if not self.cfg(guidance):
             pe, mask = cond
             return self._forward(z, t, pe, mask)
         pe, mask, neg, neg_mask = cond
         out = self._forward(torch.cat([z, z]), torch.cat([t, t]), torch.cat([pe, neg]), torch.cat([mask, neg_mask]))
         v_c, v_u = out.to(torch.promote_types(z.dtype, torch.float32)).chunk(2)
-        return v_u + self.config.guidance_scale * (v_c - v_u)
+        return v_u + guidance.scale * (v_c - v_u)

@@ -33,6 +33,7 @@ import socket
 import sys
 import threading
 
+from jagg_lightning.rewards.registry import REWARD_CLASSES, build_reward, reward_class
 from jagg_lightning.rewards.wire import WireError, decode, from_uint8
 
 log = logging.getLogger("jagg.serve_reward")
@@ -121,13 +122,11 @@ def build_app(reward, token: str | None = None, max_body_bytes: int = 256 << 20,
 
 def build_served_reward(reward: str, init_args: dict):
     """A registered name, or a class_path the operator named (so its module is imported: they chose it)."""
-    from jagg_lightning.rewards import REWARDS, build_reward
-
-    if reward in REWARDS:
-        return REWARDS[reward](**init_args)
+    if reward in REWARD_CLASSES:
+        return reward_class(reward)(**init_args)
     module_name, _, _ = reward.rpartition(".")
     if not module_name:
-        raise ValueError(f"--reward must be one of {sorted(REWARDS)} or a Reward class_path, got {reward!r}")
+        raise ValueError(f"--reward must be one of {sorted(REWARD_CLASSES)} or a Reward class_path, got {reward!r}")
     try:
         importlib.import_module(module_name)
     except ImportError as err:

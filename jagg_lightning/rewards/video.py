@@ -17,10 +17,10 @@ It rewards smoothness only (a frozen video is its optimum): combine it with a co
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from jagg_lightning.rewards.base import Reward
+from jagg_lightning.rewards.registry import build_reward
 
 AGGREGATES = ("mean", "min")
 
@@ -39,8 +39,6 @@ class FrameReward(Reward):
     def __init__(self, reward: Reward | str, frames: int | list[int] | None = None, aggregate: str = "mean",
                  name: str | None = None):
         super().__init__()
-        from jagg_lightning.rewards import build_reward  # the registry imports this module
-
         if aggregate not in AGGREGATES:
             raise ValueError(f"FrameReward.aggregate must be one of {list(AGGREGATES)}, got {aggregate!r}")
         if isinstance(frames, bool) or not (frames is None or (isinstance(frames, int) and frames >= 1) or (

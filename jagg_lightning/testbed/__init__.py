@@ -16,9 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from jagg_lightning.rewards.digits import CLASSIFIER_PATH, DIGIT_WORDS
-from jagg_lightning.testbed.judge import JUDGE_PATH
 
 PIPELINE_DIR = Path(__file__).resolve().parent / "digits_sd3"
+JUDGE_PATH = Path(__file__).resolve().parent / "digits_judge.safetensors"  # testbed.judge's
 INFO_PATH = PIPELINE_DIR / "training_info.json"
 
 TRAIN_TEMPLATES = (

@@ -60,33 +60,40 @@ def heldout_accuracy(module, reward: DigitReward, prompts: list[str] | None = No
 
 def module_from_config(config_path, seed: int = 0, **jagg):
     """A :class:`JAGGModule` with the ``model`` section of a LightningCLI YAML (e.g. configs/digits.yaml),
-    the policy / sampling seeds set to ``seed`` and ``jagg`` overriding fields of its ``jagg`` section.
+    the run's seed (``model.seed``) set to ``seed`` and ``jagg`` overriding fields of its ``jagg`` section (a
+    ``memory`` field goes to the ``memory`` section). The evaluation noise stays the config's (``evaluation.seed``,
+    0 when it names none): the studies compare runs of different seeds on the same evaluation noise.
 
     A shipped name (``pretrained: digits``) or a relative path is resolved to the folder it names (:mod:`jagg_lightning.assets`).
     Every field of the section is honoured (the optimizer's ``class_path`` and ``init_args`` too); a field
     this builder does not take (``lr_scheduler``) stops it with the field's name.
     Returns (module, the YAML as a dict).
     """
+    import dataclasses
     import importlib
     from pathlib import Path
 
     import yaml
 
+    from jagg_lightning.config import MemoryConfig
     from jagg_lightning.module import JAGGModule
     from jagg_lightning.assets import find_local
 
     cfg = yaml.safe_load(Path(config_path).read_text())
     model = dict(cfg["model"])
     unsupported = set(model) - {"policy", "sampling", "grpo", "jagg", "reward", "optimizer", "ema_decay",
-                                "reward_workers", "evaluation"}
+                                "reward_workers", "evaluation", "memory", "seed"}
     if unsupported:
         raise ValueError(f"module_from_config: model.{sorted(unsupported)[0]} is not supported here (use jagg fit)")
-    model["policy"] = dict(model["policy"], seed=seed)
+    model["policy"] = dict(model["policy"])
     if model["policy"].get("pretrained") is not None:  # a shipped name (digits) or a path from any directory
         found = find_local(model["policy"]["pretrained"])
         model["policy"]["pretrained"] = str(found.resolve()) if found is not None else model["policy"]["pretrained"]
-    model["sampling"] = dict(model.get("sampling") or {}, seed=seed)
-    model["jagg"] = dict(model.get("jagg") or {}) | jagg
+    memory_fields = {f.name for f in dataclasses.fields(MemoryConfig)}
+    model["memory"] = dict(model.get("memory") or {}) | {k: v for k, v in jagg.items() if k in memory_fields}
+    model["jagg"] = dict(model.get("jagg") or {}) | {k: v for k, v in jagg.items() if k not in memory_fields}
+    model["evaluation"] = {"seed": 0} | dict(model.get("evaluation") or {})
+    model["seed"] = seed
     if model.get("optimizer"):  # a config the user wrote (not checkpoint data): its optimizer's module may be imported
         importlib.import_module(model["optimizer"]["class_path"].rpartition(".")[0])
     # JAGGModule takes the sections as dicts and the optimizer as {class_path, init_args}, as LightningCLI does

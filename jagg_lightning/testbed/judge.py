@@ -25,8 +25,9 @@ import torch
 from torch import Tensor, nn
 
 from jagg_lightning.rewards.digits import prompt_digit, to_digit_grid
+from jagg_lightning.testbed import JUDGE_PATH
+from jagg_lightning.testbed.train import load_split, to_rgb
 
-JUDGE_PATH = Path(__file__).resolve().parent / "digits_judge.safetensors"
 JUDGE_C = 1.0  # scikit-learn's default regularisation: the judge is not tuned toward anything
 
 
@@ -86,7 +87,6 @@ def fit_judge(grids_train: Tensor, labels_train: Tensor, c: float = JUDGE_C) -> 
 def main(argv=None) -> dict[str, str]:
     from safetensors.torch import save_file
 
-    from jagg_lightning.testbed.train import load_split, to_rgb
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(JUDGE_PATH))

@@ -28,7 +28,6 @@ The independent judge (:mod:`jagg_lightning.testbed.judge`) is fitted on the sam
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import shutil

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 import jagg_lightning.module as module_lib
 from jagg_lightning.cli import cli_main
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.policies import PolicyConfig
 from jagg_lightning.rewards import JpegCompressibility, Reward, WeightedReward
 
@@ -241,8 +241,8 @@ def test_validate_and_predict_with_the_trained_adapter(cli_run, tmp_path):
                                              ("64-true", "float64")])
 def test_lora_and_optimizer_state_stay_full_precision(precision, dtype, rng_seed):
     seed = rng_seed % 10_000
-    module = JAGGModule(tiny_policy_config(seed=seed, dtype=dtype), SamplingConfig(num_steps=4, group_size=2, seed=seed),
-                        GRPOConfig(train_batch_size=4), JAGGConfig(window_size=2))
+    module = JAGGModule(tiny_policy_config(dtype=dtype), SamplingConfig(num_steps=4, group_size=2),
+                        GRPOConfig(train_batch_size=4), JAGGConfig(window_size=2), seed=seed)
     trainer = L.Trainer(max_steps=1, accelerator="cpu", precision=precision, logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False)
     trainer.fit(module, PromptDataModule(prompts=PROMPTS[:2], batch_size=2))
@@ -282,9 +282,8 @@ class FailsOnSecondCall(Reward):
 def test_failing_reward_is_named_and_plain_string_loader_is_explained(rng_seed):
     seed = rng_seed % 10_000
     reward = WeightedReward([JpegCompressibility(), FailsOnSecondCall()])
-    module = JAGGModule(tiny_policy_config(seed=seed), SamplingConfig(num_steps=4, group_size=2, rollout_batch_size=2,
-                                                                      seed=seed),
-                        GRPOConfig(train_batch_size=4), JAGGConfig(window_size=2), reward=reward)
+    module = JAGGModule(tiny_policy_config(), SamplingConfig(num_steps=4, group_size=2, rollout_batch_size=2),
+                        GRPOConfig(train_batch_size=4), JAGGConfig(window_size=2), reward=reward, seed=seed)
     trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False)
     with pytest.raises(RuntimeError, match=r"reward flaky_scorer \(FailsOnSecondCall\) failed: OSError: scorer server"):
@@ -331,10 +330,10 @@ DDP_VALIDATE = textwrap.dedent('''
 
 
 def eval_module(seed):
-    from jagg_lightning.module import EvalConfig
+    from jagg_lightning import EvalConfig
 
-    module = JAGGModule(tiny_policy_config(seed=seed), SamplingConfig(num_steps=4, group_size=2),
-                        jagg=JAGGConfig(window_size=2), evaluation=EvalConfig(num_steps=2, samples_per_prompt=2))
+    module = JAGGModule(tiny_policy_config(), SamplingConfig(num_steps=4, group_size=2),
+                        jagg=JAGGConfig(window_size=2), evaluation=EvalConfig(num_steps=2, samples_per_prompt=2), seed=seed)
     module.configure_model()
     randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
     return module
@@ -401,7 +400,7 @@ def test_every_resume_override_is_applied_or_refused_by_name(cli_run, args, key,
         seen.update(self.config["fit"]["model"].items(branches=False))
         raise Parsed
 
-    monkeypatch.setattr(JAGGCLI, "before_instantiate_classes", parsed)
+    monkeypatch.setattr(JAGGCLI, "instantiate_classes", parsed)  # the overrides are applied just before it
     common = ["fit", "--config", str(config), "--ckpt_path", str(root / "ckpt" / "last.ckpt")]
     if key is None:
         with pytest.raises(SystemExit) as info:

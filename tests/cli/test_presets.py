@@ -1,5 +1,6 @@
 """Every model preset builds everything but the weights (no download), and holds the reference numbers."""
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,8 @@ import yaml
 
 from jagg_lightning.assets import find_local, looks_local
 from jagg_lightning.cli import cli_main
-from jagg_lightning.module import JAGGModule
+from jagg_lightning.old_keys import JAGGDeprecationWarning
+from jagg_lightning import JAGGModule
 from jagg_lightning.policies import FAMILIES, detect_family
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,9 +55,13 @@ def test_preset_builds_everything_but_the_weights(preset, monkeypatch, tmp_path)
         # a twin the preset's header says to save first (a missing local folder is refused at once): save one
         FAMILIES[policy["family"]].policy_class().build_tiny_pipeline(0, torch.float32).save_pretrained(tmp_path / "twin")
         args += ["--model.policy.pretrained", str(tmp_path / "twin")]
-    cli = cli_main(args, run=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", JAGGDeprecationWarning)
+        cli = cli_main(args, run=False)
+    renamed = [str(w.message) for w in caught if issubclass(w.category, JAGGDeprecationWarning)]
+    assert not renamed, f"{preset} uses a renamed key: {renamed}"  # the shipped presets speak today's vocabulary
     module = cli.model
-    assert isinstance(module, JAGGModule) and "policy" not in module._modules  # __init__ built no model
+    assert isinstance(module, JAGGModule) and not hasattr(module, "policy")  # __init__ built no model
     config = module.policy_config
     if config.pretrained is not None and find_local(config.pretrained) is None:
         # a hub model's preset names its family, so detection downloads nothing (a local one is read)

@@ -17,8 +17,8 @@ from jagg_lightning.rollout import plan_rollout
 pytestmark = [pytest.mark.distributed, pytest.mark.subprocess, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLING = dict(num_steps=10, step_kind="cps", sde_window_size=6, sde_window_range=[0, 9], window_fraction=0.5)
-JAGG = dict(window_size=2)
+SAMPLING = dict(num_steps=10, step_kind="cps", sde_window_size=6, sde_window_range=[0, 9])
+JAGG = dict(window_size=2, window_fraction=0.5)
 
 PLAN = textwrap.dedent('''
     import json, os, random, sys

@@ -122,7 +122,7 @@ def test_bfloat16_weights_keep_the_sde_in_float32(case, twin_dirs, rng_seed):
     m32, m16 = modules
     assert m16.policy.transformer.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in m16.policy.lora_parameters())
-    trajs = [m.sampler.rollout(PROMPTS, [0, 1], step=0)[0] for m in modules]
+    trajs = [m.sampler.trajectories(PROMPTS, [0, 1], step=0)[0] for m in modules]
     t16 = trajs[1]
     assert t16.latents.dtype == t16.log_probs.dtype == t16.velocities.dtype == t16.times.dtype == torch.float32
     assert torch.isfinite(t16.latents).all() and torch.isfinite(t16.log_probs).all()

@@ -16,7 +16,7 @@ from jagg_lightning.policies.qwen_image import (
 from jagg_lightning.cli import cli_main
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.grpo import group_advantages
-from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.policies import FAMILIES, PolicyConfig, build_policy, detect_family
 from jagg_lightning.rollout import sample_generators, sample_trajectories
 
@@ -180,11 +180,12 @@ def test_bad_resolution_names_the_field():
 # ------------------------------------------------------------------------------ the module and the exports
 def qwen_module(seed, jagg_frac=0.5, window_size=2, optimizer=None, grpo=None, **policy) -> JAGGModule:
     module = JAGGModule(
-        qwen_config(seed=seed, **policy),
-        SamplingConfig(num_steps=STEPS, group_size=2, noise_level=1.2, seed=seed, rollout_batch_size=4),
+        qwen_config(**policy),
+        SamplingConfig(num_steps=STEPS, group_size=2, noise_level=1.2, rollout_batch_size=4),
         GRPOConfig(**({"train_batch_size": 4} | (grpo or {}))),
         JAGGConfig(window_size=window_size, jagg_frac=jagg_frac),
         optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-2)),
+        seed=seed,
     )
     module.configure_model()
     randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
@@ -256,7 +257,7 @@ def test_jagg_fit_with_the_tiny_qwen_config_writes_an_adapter_the_pipeline_repro
 
     seed = str(rng_seed % 10_000)
     cli = cli_main([
-        "--config", str(ROOT / "configs/qwen_image_tiny.yaml"), "--seed_everything", seed, "--model.policy.seed", seed,
+        "--config", str(ROOT / "configs/qwen_image_tiny.yaml"), "--seed_everything", seed, "--model.seed", seed,
         "--model.policy.family", "null", "--model.policy.pretrained", str(twin_dir),
         "--model.sampling.num_steps", "4", "--model.sampling.group_size", "2", "--model.jagg.window_size", "2",
         "--data.prompts_file", str(ROOT / "configs/prompts/tiny.txt"), "--trainer.max_steps", "2",

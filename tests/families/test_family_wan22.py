@@ -19,7 +19,8 @@ from jagg_lightning.cli import cli_main
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.grpo import group_advantages
 from jagg_lightning.policies import PolicyConfig, build_policy
-from jagg_lightning.policies.base import PolicyBuildError
+from jagg_lightning.policy_checks import check_policy
+from jagg_lightning.checks import PolicyBuildError
 from jagg_lightning.policies.wan import build_tiny_wan_pipeline
 
 from wan_twins import WAN, full_module
@@ -93,16 +94,17 @@ def test_wan21_and_wan22_adapters_do_not_cross(tmp_path, rng_seed):
         build_tiny_wan_pipeline(0, two_experts=two).save_pretrained(tmp_path / f"pipe_{two}")
         for part in ("", "peft", "diffusers"):
             with pytest.raises(ValueError, match=r"policy.adapter: .* holds a LoRA for .*Wan2.2 adapter"):
-                PolicyConfig(pretrained=str(tmp_path / f"pipe_{two}"), adapter=str(tmp_path / f"two_{not two}" / part),
-                             **WAN)
-            PolicyConfig(pretrained=str(tmp_path / f"pipe_{two}"), adapter=str(tmp_path / f"two_{two}" / part), **WAN)
+                check_policy(PolicyConfig(pretrained=str(tmp_path / f"pipe_{two}"),
+                                          adapter=str(tmp_path / f"two_{not two}" / part), **WAN))
+            check_policy(PolicyConfig(pretrained=str(tmp_path / f"pipe_{two}"), adapter=str(tmp_path / f"two_{two}" / part),
+                                      **WAN))
 
 
 def test_jagg_validate_with_a_wan22_adapter_scores_the_trained_policy(tmp_path, rng_seed):
     """`jagg validate --model.policy.adapter <export>/diffusers` on configs/wan22_tiny.yaml logs the held-out
     rewards the trained policy's own validation logged (2 ODE steps: one per expert; 5 frames at 16 px, quick)."""
     seed = str(rng_seed % 10_000)
-    args = ["--config", str(ROOT / "configs/wan22_tiny.yaml"), "--seed_everything", seed, "--model.policy.seed", seed,
+    args = ["--config", str(ROOT / "configs/wan22_tiny.yaml"), "--seed_everything", seed, "--model.seed", seed,
             "--model.evaluation.num_steps", "2", "--model.evaluation.grid_prompts", "0", "--model.policy.num_frames", "5",
             "--model.policy.resolution", "16",
             "--data.val_prompts", '["a red cat", "a blue dog"]', "--trainer.logger", "false",

@@ -10,9 +10,10 @@ import torch
 
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.export import save_transformer
-from jagg_lightning.jagg import accumulate_gradients, plan_windows, route_windows
+from jagg_lightning.jagg import accumulate_gradients, plan_windows
+from jagg_lightning.routing import route_windows
 from jagg_lightning.grpo import StepRecord, step_loss
-from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.policies import PolicyConfig
 from jagg_lightning.policies.sd3 import SD3Policy
 from jagg_lightning.reference import attach_reference
@@ -20,7 +21,7 @@ from jagg_lightning.rollout import sample_generators, sample_trajectories
 from jagg_lightning.sampler import Sampler
 from jagg_lightning.sde import flow_match_sigmas
 
-from helpers import rel_error
+from helpers import counted_velocity, rel_error
 
 STEPS = 6
 TRAINED = list(range(STEPS - 1))
@@ -86,8 +87,9 @@ def test_full_ft_engine_equals_hand_written_grpo_gradient_float64(rng_seed):
     assert all(p.dtype == torch.float64 for p in policy.transformer.parameters())
     traj, cond = rollout(policy, rng_seed)
     sampler = Sampler(policy, SamplingConfig(num_steps=STEPS, group_size=2), kl_beta=0.3)
-    ref_v = sampler.reference_velocities(traj, cond, TRAINED)
-    assert sampler.reference_forwards == len(TRAINED) and float(ref_v[0].abs().sum()) > 0
+    with counted_velocity(policy) as forwards:
+        ref_v = sampler.reference_velocities(traj, cond, TRAINED)
+    assert len(forwards) == len(TRAINED) and float(ref_v[0].abs().sum()) > 0
     adv = torch.randn(4, generator=gen, dtype=torch.float64)
     expected = hand_gradient(policy, traj, cond, adv, ref_v, beta=0.3)
     trainable = policy.lora_parameters()
@@ -124,10 +126,12 @@ def test_frozen_reference_is_the_initial_model(rng_seed):
     z = torch.randn(3, *policy.latent_shape, generator=torch.Generator().manual_seed(rng_seed), dtype=torch.float64)
     t = torch.rand(3, generator=torch.Generator().manual_seed(rng_seed + 1), dtype=torch.float64)
     sampler = Sampler(policy, SamplingConfig(num_steps=STEPS, group_size=3), kl_beta=0.1)
+    with torch.no_grad(), counted_velocity(policy) as forwards:
+        got = sampler.reference_velocity(z, t, cond)
     with torch.no_grad():
-        got, trained, want = sampler.reference_velocity(z, t, cond), policy.velocity(z, t, cond), untouched.velocity(z, t, cond)
+        trained, want = policy.velocity(z, t, cond), untouched.velocity(z, t, cond)
     assert torch.equal(got, want) and not torch.equal(trained, want)
-    assert sampler.reference_forwards == 1
+    assert len(forwards) == 1
     # bf16 compute: the copy holds bf16 weights while the policy's masters are float32
     low = SD3Policy(full_config(seed, dtype="bfloat16"))
     low_ref = attach_reference(low, kl_beta=0.1)
@@ -140,10 +144,11 @@ def test_frozen_reference_is_the_initial_model(rng_seed):
 def full_module(seed, dtype="float64", patterns=None, kl_beta=0.2, **grpo):
     return JAGGModule(
         full_config(seed, dtype=dtype, trainable_modules=patterns),
-        SamplingConfig(num_steps=STEPS, group_size=3, seed=seed, rollout_batch_size=6),
+        SamplingConfig(num_steps=STEPS, group_size=3, rollout_batch_size=6),
         GRPOConfig(**({"train_batch_size": 6, "kl_beta": kl_beta, "skip_zero_advantage": False} | grpo)),
         JAGGConfig(window_size=3, jagg_frac=0.5),
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+        seed=seed,
     )
 
 

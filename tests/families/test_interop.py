@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from jagg_lightning.adapters import PEFT_KEY_PREFIX
 from jagg_lightning.callbacks import AtomicCheckpointIO, LoRAExport
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.policies.sd3 import build_tiny_sd3_pipeline
 from jagg_lightning.rewards import JpegCompressibility, JpegIncompressibility, Reward, WeightedReward
 
@@ -25,13 +25,14 @@ PROMPTS = [f"prompt number {i}" for i in range(4)]
 
 def small_module(seed, reward="jpeg_compressibility", ema_decay=0.5, **policy):
     module = JAGGModule(
-        tiny_policy_config(seed=seed, **policy),  # rank 4, alpha 8: scale 2, so a lost alpha shows
-        SamplingConfig(num_steps=4, group_size=2, seed=seed),
+        tiny_policy_config(**policy),  # rank 4, alpha 8: scale 2, so a lost alpha shows
+        SamplingConfig(num_steps=4, group_size=2),
         GRPOConfig(train_batch_size=4),
         JAGGConfig(window_size=2, jagg_frac=0.5),
         reward=reward,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
         ema_decay=ema_decay,
+        seed=seed,
     )
     module.configure_model()
     randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
@@ -120,7 +121,7 @@ def test_last_export_equals_last_checkpoint_and_carries_identity(trained):
 def test_checkpoint_into_a_different_adapter_stops_naming_the_field(trained):
     ckpt_path = trained["root"] / "ckpt" / "last.ckpt"
     with pytest.raises(ValueError, match=r"lora_rank: checkpoint 4, this module 2"):
-        JAGGModule.load_from_checkpoint(ckpt_path, policy=tiny_policy_config(seed=trained["seed"], lora_rank=2))
+        JAGGModule.load_from_checkpoint(ckpt_path, policy=tiny_policy_config(lora_rank=2))  # the root seed: the hparams
     other = small_module(trained["seed"] + 1)  # same shapes, another base model (tiny seed)
     trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False, plugins=[AtomicCheckpointIO()])

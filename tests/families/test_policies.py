@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.policies import FAMILIES, PolicyConfig, build_policy, detect_family
+from jagg_lightning.policy_checks import check_policy
 from jagg_lightning.policies.sd3 import SD3Policy, build_tiny_sd3_pipeline
 
 from helpers import randomize_lora_b, tiny_policy_config
@@ -34,7 +35,7 @@ def test_unsupported_pipeline_class_names_the_supported_ones(tmp_path):
     for family in FAMILIES.values():
         assert family.name in str(info.value) and all(c in str(info.value) for c in family.pipeline_classes)
     with pytest.raises(ValueError, match=r"policy\.family must be one of"):
-        PolicyConfig(family="kandinsky")
+        check_policy(PolicyConfig(family="kandinsky"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"policy\.pretrained must be"):
         detect_family(PolicyConfig(pretrained=str(tmp_path / "empty")))
@@ -56,9 +57,9 @@ def test_schedule_equals_the_pipeline_scheduler(num_steps, shift):
 
 
 def small_module(seed, **kw):
-    return JAGGModule(tiny_policy_config(seed=seed), SamplingConfig(num_steps=4, group_size=2, seed=seed),
+    return JAGGModule(tiny_policy_config(), SamplingConfig(num_steps=4, group_size=2),
                       GRPOConfig(train_batch_size=4), JAGGConfig(window_size=2, jagg_frac=0.5),
-                      optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), **kw)
+                      optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), **kw, seed=seed)
 
 
 def test_init_only_validates_and_configure_model_builds_once(rng_seed):
@@ -94,7 +95,7 @@ def test_load_from_checkpoint_builds_the_policy_and_restores_the_lora(tmp_path, 
 
 @pytest.mark.parametrize("family", ["sd3", "flux", "flux2", "qwen_image", "z_image", "wan"])
 def test_a_resolution_the_family_cannot_take_is_refused_before_any_model_is_built(family, tmp_path, rng_seed):
-    """From the saved folder's JSON files alone (PolicyConfig, no model), with the multiple diffusers' own pipeline
+    """From the saved folder's JSON files alone (the config check, no model), with the multiple diffusers' own pipeline
     implies (its VAE scale factor x the 2x2 patches every family uses), and the same words as the build's check."""
     rng = torch.Generator().manual_seed(rng_seed)
     cls = FAMILIES[family].policy_class()
@@ -105,7 +106,7 @@ def test_a_resolution_the_family_cannot_take_is_refused_before_any_model_is_buil
     bad = multiple * k + off
     message = rf"policy\.resolution must be a multiple of {multiple} .*got {bad}"
     with pytest.raises(ValueError, match=message):
-        PolicyConfig(pretrained=str(tmp_path), resolution=bad)
-    PolicyConfig(pretrained=str(tmp_path), resolution=multiple * k)  # a good one passes the check
+        check_policy(PolicyConfig(pretrained=str(tmp_path), resolution=bad))
+    check_policy(PolicyConfig(pretrained=str(tmp_path), resolution=multiple * k))  # a good one passes the check
     with pytest.raises(ValueError, match=message):  # the build's own check (a hub id is only checked there)
         build_policy(tiny_policy_config(resolution=bad, family=family, lora_targets=None), pipeline=pipeline)

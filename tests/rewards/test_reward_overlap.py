@@ -19,7 +19,7 @@ import torch
 from jagg_lightning.callbacks import RewardHackingWatch
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.grpo import combined_advantages
-from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.rewards import (
     JpegCompressibility, JpegIncompressibility, MonitoredReward, Reward, WeightedReward,
 )
@@ -47,13 +47,14 @@ class Brightness(Reward):
 
 def build(seed, reward, workers=0, fused=False, multi_reward="weighted_sum", rollout_batch_size=3, jagg_frac=1.0):
     module = JAGGModule(
-        tiny_policy_config(seed=seed),
-        SamplingConfig(num_steps=5, group_size=K, seed=seed, rollout_batch_size=rollout_batch_size),
+        tiny_policy_config(),
+        SamplingConfig(num_steps=5, group_size=K, rollout_batch_size=rollout_batch_size),
         GRPOConfig(train_batch_size=3, adv_std="group", multi_reward=multi_reward, max_grad_norm=None),
         JAGGConfig(window_size=2, jagg_frac=jagg_frac, fused_rollout=fused),
         reward=reward,
         optimizer=lambda p: torch.optim.SGD(p, lr=1.0),  # the update is minus the gradient
         reward_workers=workers,
+        seed=seed,
     )
     module.configure_model()
     randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))

@@ -18,7 +18,7 @@ import yaml
 from peft import LoraConfig
 from safetensors.torch import load_file
 
-from jagg_lightning.module import JAGGModule
+from jagg_lightning import JAGGModule
 
 from helpers import TINY_TARGETS
 from test_reward_server import start_server, stop

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.policies.flux import build_tiny_flux_pipeline
 from jagg_lightning.policies.flux2 import build_tiny_flux2_pipeline
 from jagg_lightning.policies.sd3 import build_tiny_sd3_pipeline
@@ -74,12 +74,13 @@ PROMPTS = ["a red cat", "a blue dog"]
 
 def module_for(case, path, seed, guidance=None, dtype="float32", jagg_frac=0.5, window_size=2, optimizer=None,
                **grpo):
-    policy = case.config(pretrained=str(path), seed=seed, dtype=dtype,
+    policy = case.config(pretrained=str(path), dtype=dtype,
                          guidance_scale=case.guidance[0] if guidance is None else guidance)
     module = JAGGModule(
-        policy, SamplingConfig(num_steps=4, group_size=2, seed=seed, rollout_batch_size=4),
+        policy, SamplingConfig(num_steps=4, group_size=2, rollout_batch_size=4),
         GRPOConfig(**({"train_batch_size": 4} | grpo)), JAGGConfig(window_size=window_size, jagg_frac=jagg_frac),
         optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-3)),
+        seed=seed,
     )
     module.configure_model()
     randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
@@ -89,7 +90,7 @@ def module_for(case, path, seed, guidance=None, dtype="float32", jagg_frac=0.5, 
 def tiny_fit_args(config, seed: str, pretrained, tmp_path) -> list[str]:
     """`jagg fit` arguments: a family's tiny config on its saved twin (detected from model_index.json), 4 sampling
     steps, groups of 2, W = 2, 2 steps, the adapter exported under ``tmp_path / "lora"``."""
-    return ["--config", str(config), "--seed_everything", seed, "--model.policy.seed", seed,
+    return ["--config", str(config), "--seed_everything", seed, "--model.seed", seed,
             "--model.policy.family", "null", "--model.policy.pretrained", str(pretrained),
             "--model.sampling.num_steps", "4", "--model.sampling.group_size", "2", "--model.jagg.window_size", "2",
             "--data.prompts_file", str(ROOT / "configs/prompts/tiny.txt"), "--trainer.max_steps", "2",

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.policies import PolicyConfig
 from jagg_lightning.strategies import FSDP2Strategy
 
@@ -19,11 +19,12 @@ PROMPTS = ["a red cat", "a blue dog", "a green tree", "a yellow sun"]
 
 def build(seed, dtype="float64", kl_beta=0.2, ema_decay=None):
     return JAGGModule(
-        PolicyConfig(trainable="full", dtype=dtype, guidance_scale=1.0, max_sequence_length=4, seed=seed),
-        SamplingConfig(num_steps=5, group_size=2, seed=seed, rollout_batch_size=4),
+        PolicyConfig(trainable="full", dtype=dtype, guidance_scale=1.0, max_sequence_length=4),
+        SamplingConfig(num_steps=5, group_size=2, rollout_batch_size=4),
         GRPOConfig(train_batch_size=2, kl_beta=kl_beta, max_grad_norm=0.05),
         JAGGConfig(window_size=2, jagg_frac=0.5),
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=1e-2), ema_decay=ema_decay,
+        seed=seed,
     )
 
 

@@ -1,6 +1,7 @@
 """Shared builders for tests on the real tiny SD3 (diffusers transformer + peft LoRA)."""
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -67,3 +68,14 @@ def build_policy(generator, **overrides) -> SD3Policy:
     policy = SD3Policy(tiny_policy_config(**overrides))
     randomize_lora_b(policy.transformer, generator)
     return policy
+
+
+@contextmanager
+def counted_velocity(policy):
+    """Inside the block every ``policy.velocity`` call is counted: the list it yields gets one entry per call."""
+    calls, velocity = [], policy.velocity
+    policy.velocity = lambda *args, **kwargs: calls.append(1) or velocity(*args, **kwargs)
+    try:
+        yield calls
+    finally:
+        del policy.velocity

@@ -4,7 +4,7 @@ import lightning as L
 import torch
 
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 
 from helpers import randomize_lora_b, tiny_policy_config
 
@@ -13,14 +13,15 @@ PROMPTS = ["a red cat", "a blue dog", "a green tree", "a yellow sun"]
 
 def make_module(seed, dtype="float32", jagg_frac=0.5, lr=1e-3, optimizer=None, rollout_batch_size=4, jagg=None,
                 ema_decay=None, **grpo):
-    policy = tiny_policy_config(dtype=dtype, seed=seed)
+    policy = tiny_policy_config(dtype=dtype)
     module = JAGGModule(
         policy,
-        SamplingConfig(num_steps=8, group_size=3, seed=seed, rollout_batch_size=rollout_batch_size),
+        SamplingConfig(num_steps=8, group_size=3, rollout_batch_size=rollout_batch_size),
         GRPOConfig(**({"train_batch_size": 6} | grpo)),
         JAGGConfig(**({"window_size": 3, "jagg_frac": jagg_frac} | (jagg or {}))),
         optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=lr)),
         ema_decay=ema_decay,
+        seed=seed,
     )
     module.configure_model()
     randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))

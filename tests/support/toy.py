@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from jagg_lightning.grpo import StepRecord, step_loss
-from jagg_lightning.jagg import accumulate_gradients, alphas, plan_windows, route_windows
+from jagg_lightning.jagg import accumulate_gradients, alphas, plan_windows
+from jagg_lightning.routing import route_windows
 from jagg_lightning.sde import flow_match_sigmas, sample_step, step_distribution
 
 
@@ -82,9 +83,11 @@ def exact_gradient(model, latents, times, loss_fn, steps):
     return [p.grad.clone() for p in model.parameters()]
 
 
-def jagg_gradient(model, latents, times, loss_fn, windows, cache=None, low_memory=False):
+def jagg_gradient(model, latents, times, loss_fn, windows, cache=None, low_memory=False, interior_terms=None):
+    """The engine's gradient (``interior_terms``: an estimator's; default the paper's) and its window records."""
     model.zero_grad()
-    recs = accumulate_gradients(model, latents, times, None, loss_fn, windows, cache, low_memory)
+    recs = accumulate_gradients(model, latents, times, None, loss_fn, windows, cache, low_memory,
+                                interior_terms=interior_terms)
     return [p.grad.clone() for p in model.parameters()], recs
 
 

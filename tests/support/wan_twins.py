@@ -2,7 +2,7 @@
 
 import torch
 
-from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.policies import PolicyConfig
 from jagg_lightning.policies.wan import build_tiny_wan_pipeline
 from jagg_lightning.rewards import FrameReward
@@ -26,12 +26,13 @@ def config(**kw):
 
 def module_for(twin, path, seed, dtype="float32", jagg_frac=0.5, window_size=2, num_steps=4, optimizer=None, **grpo):
     module = JAGGModule(
-        config(pretrained=str(path), seed=seed, dtype=dtype),
-        SamplingConfig(num_steps=num_steps, group_size=2, seed=seed, rollout_batch_size=4),
+        config(pretrained=str(path), dtype=dtype),
+        SamplingConfig(num_steps=num_steps, group_size=2, rollout_batch_size=4),
         GRPOConfig(**({"train_batch_size": 4, "skip_zero_advantage": False} | grpo)),
         JAGGConfig(window_size=window_size, jagg_frac=jagg_frac),
         optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-3)),
         reward=FrameReward("jpeg_compressibility", frames=3),  # image rewards score videos through FrameReward
+        seed=seed,
     )
     module.configure_model()
     for expert in module.policy.experts:
@@ -46,9 +47,10 @@ WAN = {"max_sequence_length": 8, "guidance_scale": 5.0, "guidance_scale_2": 3.0,
 def full_module(seed, **policy):
     return JAGGModule(
         PolicyConfig(**({"family": "wan22", "trainable": "full", "dtype": "float64", "seed": seed} | WAN | policy)),
-        SamplingConfig(num_steps=3, group_size=2, seed=seed, rollout_batch_size=2),  # sigmas 1 | 0.75, 0.003
+        SamplingConfig(num_steps=3, group_size=2, rollout_batch_size=2),  # sigmas 1 | 0.75, 0.003
         GRPOConfig(train_batch_size=2, max_grad_norm=None, kl_beta=0.3),
         JAGGConfig(window_size=2, jagg_frac=0.0),
         optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
         reward=FrameReward("jpeg_compressibility", frames=3),
+        seed=seed,
     )

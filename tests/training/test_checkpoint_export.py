@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from jagg_lightning.callbacks import AtomicCheckpointIO, LoRAExport, export_lora
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.policies.sd3 import build_tiny_sd3_pipeline
 
 from helpers import randomize_lora_b, tiny_policy_config
@@ -28,13 +28,14 @@ PROMPTS = [f"prompt number {i}" for i in range(8)]
 
 def module_for_resume(seed):
     module = JAGGModule(
-        tiny_policy_config(seed=seed),
-        SamplingConfig(num_steps=6, group_size=2, seed=seed),
+        tiny_policy_config(),
+        SamplingConfig(num_steps=6, group_size=2),
         GRPOConfig(train_batch_size=2, inner_epochs=1),
         JAGGConfig(window_size=3, jagg_frac=0.5),
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.9),
         ema_decay=0.8,
+        seed=seed,
     )
     module.configure_model()
     randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))

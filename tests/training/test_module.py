@@ -14,7 +14,7 @@ import jagg_lightning.module as module_lib
 from jagg_lightning.cli import cli_main
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.grpo import group_advantages
-from jagg_lightning.module import JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning import JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.policies.sd3 import SD3Policy, build_tiny_sd3_pipeline
 
 from helpers import exact_per_step_gradient, randomize_lora_b, rel_error, tiny_policy_config
@@ -105,15 +105,15 @@ def test_rollout_independent_of_micro_batch_and_layout(rng_seed):
     results = []
     for size in (1, 4, 12):
         module.sampling.rollout_batch_size = size
-        results.append(module.sampler.rollout(PROMPTS[:4], [0, 1, 2, 3], step=5)[0])
+        results.append(module.sampler.trajectories(PROMPTS[:4], [0, 1, 2, 3], step=5)[0])
     for other in results[1:]:
         torch.testing.assert_close(other.latents, results[0].latents, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(other.log_probs, results[0].log_probs, rtol=1e-5, atol=1e-5)
     # a prompt's samples do not depend on which other prompts share the batch
-    alone = module.sampler.rollout([PROMPTS[2]], [2], step=5)[0]
+    alone = module.sampler.trajectories([PROMPTS[2]], [2], step=5)[0]
     torch.testing.assert_close(alone.latents, results[0].latents[:, 6:9], rtol=1e-5, atol=1e-5)
     # a new step draws new noise
-    assert not torch.allclose(module.sampler.rollout([PROMPTS[2]], [2], step=6)[0].latents[0], alone.latents[0])
+    assert not torch.allclose(module.sampler.trajectories([PROMPTS[2]], [2], step=6)[0].latents[0], alone.latents[0])
 
 
 @pytest.mark.subprocess
@@ -159,7 +159,7 @@ def test_reward_goes_up_on_tiny_default(tmp_path, rng_seed):
     for i in range(3):
         seed = str((rng_seed + i) % 100_000)
         cli = cli_main(["--config", str(ROOT / "configs/tiny.yaml"), "--seed_everything", seed,
-                        "--model.policy.seed", seed, "--model.sampling.seed", seed, "--data.seed", seed,
+                        "--model.seed", seed, "--data.seed", seed,
                         "--data.prompts_file", str(ROOT / "configs/prompts/tiny.txt"),
                         "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
                         "--trainer.max_steps", "60", "--lora_export.dirpath", str(tmp_path / seed)], run=False)

@@ -40,10 +40,9 @@ class FailInsideStep(Callback):
 
 
 def run(seed, root, steps, checkpoint=None, ckpt_path=None):
-    module = JAGGModule(tiny_policy_config(seed=seed), SamplingConfig(num_steps=4, group_size=2, rollout_batch_size=4,
-                                                                      seed=seed),
+    module = JAGGModule(tiny_policy_config(), SamplingConfig(num_steps=4, group_size=2, rollout_batch_size=4),
                         GRPOConfig(train_batch_size=4), JAGGConfig(window_size=2),
-                        optimizer=lambda p: torch.optim.AdamW(p, lr=0.05))
+                        optimizer=lambda p: torch.optim.AdamW(p, lr=0.05), seed=seed)
     seen = Seen()
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=checkpoint is not None, default_root_dir=root,

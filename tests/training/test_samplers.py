@@ -12,7 +12,7 @@ import torch
 
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.grpo import StepLossStats, group_advantages
-from jagg_lightning.module import EvalConfig, GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning import EvalConfig, GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.rewards import Reward
 from jagg_lightning.metrics import FirstUpdateRatioCheck
 from jagg_lightning.rollout import choose_windows, plan_rollout, sde_window_start
@@ -24,13 +24,14 @@ from modules import PROMPTS, fit
 def build(seed, sampling=None, grpo=None, jagg=None, dtype="float32", optimizer=None, reward="jpeg_compressibility",
           evaluation=None, **policy):
     module = JAGGModule(
-        tiny_policy_config(dtype=dtype, seed=seed, **policy),
+        tiny_policy_config(dtype=dtype, **policy),
         SamplingConfig(**({"num_steps": 6, "group_size": 3, "seed": seed, "rollout_batch_size": 3} | (sampling or {}))),
         GRPOConfig(**({"train_batch_size": 3} | (grpo or {}))),
         JAGGConfig(**({"window_size": 3, "jagg_frac": 0.5} | (jagg or {}))),
         reward=reward,
         optimizer=optimizer or (lambda p: torch.optim.SGD(p, lr=0.5)),
         evaluation=evaluation,
+        seed=seed,
     )
     module.configure_model()
     randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
@@ -63,8 +64,9 @@ class RowCounter:
 def test_sde_window_trains_only_its_steps_and_equals_exact_grpo(case, rng_seed):
     seed = rng_seed % 10_000
     module = build(seed, dict(step_kind=case["kind"], sde_window_size=case["window"], sde_window_range=case["range"],
-                              noise_level=0.8, window_fraction=case["fraction"]),
-                   dict(train_batch_size=6, max_grad_norm=None), dict(window_size=case["W"], jagg_frac=case["jagg_frac"]),
+                              noise_level=0.8),
+                   dict(train_batch_size=6, max_grad_norm=None), dict(window_size=case["W"], jagg_frac=case["jagg_frac"],
+                                                                     window_fraction=case["fraction"]),
                    dtype="float64")
     reference = copy.deepcopy(module)
     update, _ = lora_update(module)
@@ -163,7 +165,7 @@ def test_window_choice_is_seeded_and_sized(rng_seed):
     (lambda: SamplingConfig(num_steps=10, step_kind="cps", sde_window_size=3, sde_window_range=[5, 10]),
      "sampling.sde_window_range"),
     (lambda: SamplingConfig(sde_window_size=3, trained_steps=4), "sampling.trained_steps"),
-    (lambda: SamplingConfig(window_fraction=0.0), "sampling.window_fraction"),
+    (lambda: JAGGConfig(window_fraction=0.0), "jagg.window_fraction"),
     (lambda: SamplingConfig(train_guidance_scale=0.5), "sampling.train_guidance_scale"),
     (lambda: SamplingConfig(cps_log_prob="exact"), "sampling.cps_log_prob"),
     (lambda: GRPOConfig(std_ddof=2), "grpo.std_ddof"),
@@ -184,17 +186,24 @@ def test_cfg_free_training_makes_one_forward_per_step_and_evaluation_keeps_guida
                    evaluation=EvalConfig(num_steps=2, guidance_scale=3.0), guidance_scale=4.5)
     counter = RowCounter(module.policy.transformer)
     steps, samples, micro = 6, 6, 2  # 2 prompts x 3 samples, rollout micro-batches of 3
-    rollout = module.sampler.rollout_and_score
-    seen = {}
+    rollout, velocity = module.sampler.rollout, module.policy.velocity
+    seen, scales = {}, set()
 
-    def counted_rollout(*args, **kwargs):
+    def guided_velocity(z, t, cond, guidance=None):  # the guidance each velocity call is handed
+        scales.add(None if guidance is None else guidance.scale)
+        return velocity(z, t, cond, guidance)
+
+    def counted_rollout(*args, **kwargs):  # the rollout's micro-batches (scoring between them runs no transformer)
         calls, rows = counter.calls, counter.rows
-        out = rollout(*args, **kwargs)
-        seen["calls"], seen["rows"] = counter.calls - calls, counter.rows - rows
-        seen["scale"] = module.policy.config.guidance_scale
-        return out
+        module.policy.velocity = guided_velocity
+        try:
+            yield from rollout(*args, **kwargs)
+        finally:
+            del module.policy.velocity
+        seen["calls"], seen["rows"], seen["scale"] = counter.calls - calls, counter.rows - rows, scales.pop()
+        assert not scales  # one guidance for the whole rollout
 
-    module.sampler.rollout_and_score = counted_rollout
+    module.sampler.rollout = counted_rollout
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = fit(module, 1)
@@ -209,7 +218,7 @@ def test_cfg_free_training_makes_one_forward_per_step_and_evaluation_keeps_guida
     # and training: every pass carries one row per sample of its micro-batch of 3 (two per routed anchor pair)
     assert training_rows == 3 * sum((2 if r.routed else len(r.steps)) + r.nograd_forwards for r in module.window_records)
     assert any(r.routed for r in module.window_records) and training_rows > 0
-    assert module.policy.config.guidance_scale == 4.5  # restored after training
+    assert module.policy.config.guidance_scale == 4.5  # the config is never changed: guidance is passed
     # evaluation samples with its own guidance: one forward per step carrying both branches (2 rows a sample)
     calls, rows = counter.calls, counter.rows
     module.generate(["a cat"], [0])

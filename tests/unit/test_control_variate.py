@@ -7,12 +7,17 @@ import pytest
 import torch
 
 from jagg_lightning.config import JAGGConfig
-from jagg_lightning.jagg import Window, draw_corrections, flat_gradient, route_windows
+from jagg_lightning.estimators import ControlVariateEstimator, draw_corrections
+from jagg_lightning.jagg import Window, flat_gradient
+from jagg_lightning.routing import route_windows
 
 from helpers import rel_error
 from test_fused import build, fit_once
 from toy import exact_gradient, jagg_gradient, setup
 from toy import SineTimeVelocity
+
+
+CONTROL_VARIATE = ControlVariateEstimator().interior_terms  # its fold weights: of the drawn c of each window
 
 
 def draw(windows, gen, p):
@@ -33,7 +38,8 @@ def test_exact_on_the_affine_chord_for_any_draw(window_size, chained, rng_seed):
         corrections = draw(windows, gen, p)
         seen.update(c > 0 for c in corrections)
         for kwargs in (dict(), dict(cache=cache), dict(low_memory=True)):
-            got, records = jagg_gradient(model, latents, times, loss_fn, windows, **kwargs)
+            got, records = jagg_gradient(model, latents, times, loss_fn, windows, interior_terms=CONTROL_VARIATE,
+                                         **kwargs)
             assert rel_error(got, exact) < 1e-10
             for i, (w, r) in enumerate(zip(windows, records)):
                 assert r.correction == w.correction
@@ -57,10 +63,10 @@ def test_p_one_is_the_exact_gradient_on_a_nonlinear_model(rng_seed):
     model, windows, latents, times, loss_fn, steps, _, _ = setup(4, True, gen, model_cls=SineTimeVelocity,
                                                                  off_chord=0.3)
     exact = exact_gradient(model, latents, times, loss_fn, steps)
-    paper, _ = jagg_gradient(model, latents, times, loss_fn, windows)
+    paper, _ = jagg_gradient(model, latents, times, loss_fn, windows, interior_terms=CONTROL_VARIATE)
     assert rel_error(paper, exact) > 1e-3
     assert draw(windows, gen, 1.0) == [1.0] * len(windows)
-    got, records = jagg_gradient(model, latents, times, loss_fn, windows)
+    got, records = jagg_gradient(model, latents, times, loss_fn, windows, interior_terms=CONTROL_VARIATE)
     assert rel_error(got, exact) < 1e-12
     # every step gets a pass, once (chained anchors are shared); only the first window's two anchors share one
     assert sum(r.backwards for r in records) == len(steps) - 1
@@ -74,7 +80,7 @@ def test_jagg_frac_zero_is_untouched(rng_seed):
     route_windows(windows, [0.0] * len(windows), 0.0, 4)
     assert draw(windows, gen, 0.5) == [0.0] * len(windows)
     exact = exact_gradient(model, latents, times, loss_fn, steps)
-    got, records = jagg_gradient(model, latents, times, loss_fn, windows)
+    got, records = jagg_gradient(model, latents, times, loss_fn, windows, interior_terms=CONTROL_VARIATE)
     assert rel_error(got, exact) < 1e-12
     assert [r.backwards for r in records] == [len(w.steps) for w in windows]
 
@@ -106,7 +112,7 @@ def test_mean_over_draws_is_the_exact_gradient(rng_seed):
     params = list(model.parameters())
 
     def grad(ws):
-        return flat_gradient(model, params, latents, times, None, loss_fn, ws)
+        return flat_gradient(model, params, latents, times, None, loss_fn, ws, interior_terms=CONTROL_VARIATE)
 
     exact, paper = grad([Window(w.steps) for w in windows]), grad(windows)
     routed = [i for i, w in enumerate(windows) if w.routed and len(w.steps) > 2]
@@ -134,7 +140,7 @@ def test_mean_over_draws_is_the_exact_gradient(rng_seed):
     assert ((counts - n * p).abs() <= t).all()
 
 
-@pytest.mark.parametrize("fused, options", [(False, {}), (True, {}), (True, dict(fused_exact_interior=False))])
+@pytest.mark.parametrize("fused, options", [(False, {}), (True, {}), (True, dict(fused_interior_graphs=False))])
 def test_module_with_p_one_makes_the_exact_update(fused, options, rng_seed):
     """Through the module (tiny SD3, float64, one SGD step): every window routed and drawn with p = 1 gives
     exact GRPO's update, unfused and fused (interiors from kept graphs or re-run)."""

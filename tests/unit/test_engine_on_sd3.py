@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from jagg_lightning.grpo import StepRecord, step_loss
-from jagg_lightning.jagg import accumulate_gradients, plan_windows, route_windows
+from jagg_lightning.jagg import accumulate_gradients, plan_windows
+from jagg_lightning.routing import route_windows
 from jagg_lightning.rollout import sample_generators, sample_trajectories
 from jagg_lightning.sde import flow_match_sigmas
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, MemoryConfig, SamplingConfig
 from jagg_lightning.passes import fused_graph_steps, fused_samples, pass_plan
 
 from helpers import randomize_lora_b, rel_error, tiny_policy_config
@@ -16,13 +16,20 @@ PROMPTS = ["a red cat", "a blue dog"]
 K = 3
 
 
-def build(seed, fused, dtype="float64", rollout_batch_size=6, guidance=1.0, kl_beta=0.0, **jagg):
+MEMORY = {"budget_mb", "anchors", "fused_samples", "fused_interior_graphs"}  # the memory section's fields
+
+
+def build(seed, fused, dtype="float64", rollout_batch_size=6, guidance=1.0, kl_beta=0.0, **options):
+    """The tiny SD3 on SGD (lr 1: the update is minus the gradient); ``options``: jagg and memory fields."""
+    memory = {k: options.pop(k) for k in list(options) if k in MEMORY}
     module = JAGGModule(
-        tiny_policy_config(dtype=dtype, seed=seed, guidance_scale=guidance),
-        SamplingConfig(num_steps=7, group_size=K, seed=seed, rollout_batch_size=rollout_batch_size),
+        tiny_policy_config(dtype=dtype, guidance_scale=guidance),
+        SamplingConfig(num_steps=7, group_size=K, rollout_batch_size=rollout_batch_size),
         GRPOConfig(train_batch_size=4, max_grad_norm=None, kl_beta=kl_beta, adv_std="group"),
-        JAGGConfig(**({"window_size": 3, "fused_rollout": fused} | jagg)),
-        optimizer=lambda p: torch.optim.SGD(p, lr=1.0),  # the update is minus the gradient
+        JAGGConfig(**({"window_size": 3, "fused_rollout": fused} | options)),
+        optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+        memory=MemoryConfig(**memory),
+        seed=seed,
     )
     module.configure_model()
     randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
@@ -45,9 +52,9 @@ CASES = {
     "disjoint": dict(jagg_frac=1.0),
     "chained": dict(jagg_frac=1.0, chained=True),
     "routed half, one micro-batch": dict(jagg_frac=0.5),
-    "routed half, exact interiors re-run": dict(jagg_frac=0.5, fused_exact_interior=False),
+    "routed half, exact interiors re-run": dict(jagg_frac=0.5, fused_interior_graphs=False),
     "graphs for part of each micro-batch": dict(jagg_frac=1.0, fused_samples=2, rollout_batch_size=3),
-    "several micro-batches, low memory": dict(jagg_frac=1.0, rollout_batch_size=3, low_memory=True),
+    "several micro-batches, split anchors": dict(jagg_frac=1.0, rollout_batch_size=3, anchors="split"),
 }
 
 
@@ -66,7 +73,7 @@ def test_fused_gradient_equals_unfused(case, rng_seed):
         assert fused_passes["grad_forward"] < unfused_passes["grad_forward"]
 
 
-@pytest.mark.parametrize("fused,options", [(True, dict(fused_samples=2)), (False, dict(memory_budget_mb=1e-3))])
+@pytest.mark.parametrize("fused,options", [(True, dict(fused_samples=2)), (False, dict(budget_mb=1e-3))])
 def test_routing_stats_count_exact_passes_when_micro_batches_are_split(fused, options, rng_seed):
     """Split micro-batches (part of each sample set kept as graphs, or a tiny memory budget) make more
     window records than micro-batches; the backwards saved still compare with exact GRPO's count."""
@@ -100,9 +107,9 @@ def test_fused_disjoint_makes_no_forward_beyond_the_rollout(rng_seed):
     batched anchor pass per routed window plus two for the tail = 4 forwards with grad and 4 backwards
     per micro-batch. Fused: the six pass steps (0 2 3 5 6 7) come from the rollout, ONE backward per
     micro-batch, and the interiors (1 4) from the rollout's velocities."""
-    module = JAGGModule(tiny_policy_config(seed=rng_seed % 10_000), SamplingConfig(num_steps=9, group_size=K,
+    module = JAGGModule(tiny_policy_config(), SamplingConfig(num_steps=9, group_size=K,
                         rollout_batch_size=3), GRPOConfig(adv_std="group"),
-                        JAGGConfig(window_size=3, jagg_frac=1.0, fused_rollout=True))
+                        JAGGConfig(window_size=3, jagg_frac=1.0, fused_rollout=True), seed=rng_seed % 10_000)
     module.configure_model()
     _, passes = fit_once(module)
     # a micro-batch (3 samples = one group) whose rewards tie has zero advantages and is skipped: no passes
@@ -111,7 +118,7 @@ def test_fused_disjoint_makes_no_forward_beyond_the_rollout(rng_seed):
     assert passes["grad_forward"] == 0 and passes["nograd_forward"] == 0
     assert passes["fused_forward"] == 6 * micro_batches
     assert passes["backward"] == micro_batches
-    assert fused_graph_steps(module.windows, module.jagg) == {0, 2, 3, 5, 6, 7}
+    assert fused_graph_steps(module.windows, module.jagg, module.memory) == {0, 2, 3, 5, 6, 7}
     assert module.first_update_ratio_deviation < 1e-12  # the kept graph IS the rollout's forward
 
 
@@ -155,23 +162,23 @@ def test_memory_budget_picks_the_pass_layout_and_keeps_the_gradient(rng_seed):
     assert 3.6 * a < probe.sampler.activation_bytes(samples=4) < 4.4 * a
     assert a > 0
     # 6 trained steps, W = 3, all routed: R = 2 windows, E = 0 exact steps
-    probe.updater.route(probe.sampler.rollout(PROMPTS[:1], [0], 0)[0], probe.windows)
+    probe.updater.route(probe.sampler.trajectories(PROMPTS[:1], [0], 0)[0], probe.windows)
     windows = probe.windows
     assert sum(w.routed for w in windows) == 2
     layouts = {8 * a: (4, 4, False),  # 2 batched passes of 4 beat 4 split passes
                3 * a: (3, 3, True),   # n = 3: batched c_b = 1 makes 6 passes, split c_s = 3 makes 4
                1.5 * a: (4, 1, True)}  # not even a batched single sample fits: split, one sample a pass
     for budget, (n, size, split) in layouts.items():
-        module = build(seed, False, jagg_frac=1.0, memory_budget_mb=budget / 2**20)
-        assert pass_plan(n, windows, module.jagg, module.sampler.activation_bytes) == (size, split), budget / a
+        module = build(seed, False, jagg_frac=1.0, budget_mb=budget / 2**20)
+        assert pass_plan(n, windows, module.memory, module.sampler.activation_bytes) == (size, split), budget / a
         update, passes = fit_once(module)
         assert rel_error(update, reference_update) < 1e-10
         assert passes["backward"] >= reference_passes["backward"]
     assert passes["backward"] > reference_passes["backward"]
     # the fused mode keeps graphs for as many samples as the budget holds for its kept steps (0 2 3 5)
-    fused = build(seed, True, jagg_frac=1.0, memory_budget_mb=4 * 2 * a / 2**20)
-    assert fused_graph_steps(fused.windows, fused.jagg) == {0, 2, 3, 5}
-    assert fused_samples(4, fused.jagg, fused.sampler.activation_bytes) == 2
+    fused = build(seed, True, jagg_frac=1.0, budget_mb=4 * 2 * a / 2**20)
+    assert fused_graph_steps(fused.windows, fused.jagg, fused.memory) == {0, 2, 3, 5}
+    assert fused_samples(4, fused.memory, fused.sampler.activation_bytes) == 2
     update, passes = fit_once(fused)
     assert rel_error(update, reference_update) < 1e-10 and passes["fused_forward"] > 0
 
@@ -188,7 +195,7 @@ def test_interpolated_reference_inside_routed_windows(fused, rng_seed):
     module = build(seed, fused, **options)
     update, passes = fit_once(module)
     batch, windows = module.last_rollout, module.windows
-    ref, traj = batch.ref_velocities, batch.trajectory
+    ref, traj = batch.trajectory.ref_velocities, batch.trajectory
     separate = module.sampler.reference_velocities(traj, batch.cond, module.plan.trained_steps)
     routed = [w for w in windows if w.routed]
     exact = [w for w in windows if not w.routed]

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.jagg import plan_windows, route_windows
-from jagg_lightning.module import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.jagg import plan_windows
+from jagg_lightning.routing import route_windows
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 
 from helpers import build_policy, randomize_lora_b, rel_error, tiny_policy_config
 from test_engine_on_sd3 import TRAINED, engine_gradient, rollout
@@ -47,10 +48,11 @@ def test_config_field_turns_checkpointing_on_in_training(rng_seed):
     updates, calls, backwards, grad_forwards = [], [], [], []
     for checkpointing in (False, True):
         module = JAGGModule(
-            tiny_policy_config(seed=seed, dtype="float64", gradient_checkpointing=checkpointing),
-            SamplingConfig(num_steps=6, group_size=2, seed=seed, rollout_batch_size=4),
+            tiny_policy_config(dtype="float64", gradient_checkpointing=checkpointing),
+            SamplingConfig(num_steps=6, group_size=2, rollout_batch_size=4),
             GRPOConfig(train_batch_size=4, max_grad_norm=None), JAGGConfig(window_size=3, jagg_frac=0.5),
             optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
+            seed=seed,
         )
         trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False)

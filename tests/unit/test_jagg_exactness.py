@@ -4,13 +4,8 @@ import pytest
 import torch
 
 from jagg_lightning.grpo import step_loss
-from jagg_lightning.jagg import (
-    alphas,
-    composite_gradients,
-    interpolation_residual,
-    plan_windows,
-    route_windows,
-)
+from jagg_lightning.jagg import alphas, interpolation_terms, plan_windows, weighted_sum
+from jagg_lightning.routing import interpolation_residual, route_windows
 from jagg_lightning.sde import flow_match_sigmas
 
 from helpers import rel_error
@@ -75,7 +70,8 @@ def test_composite_gradients_and_alphas(rng_seed):
     al = alphas(times, steps)
     assert al[0] == 0 and al[-1] == 1 and (al.diff() > 0).all()
     g = [torch.randn(3, generator=gen, dtype=torch.float64) for _ in steps]
-    g_a, g_b = composite_gradients(g, al)
+    terms = interpolation_terms(al)  # the paper's fold weights: 1 - alpha into G_a, alpha into G_b
+    g_a, g_b = weighted_sum(g, terms.to_a), weighted_sum(g, terms.to_b)
     torch.testing.assert_close(g_a + g_b, sum(g))
     torch.testing.assert_close(g_b, sum(float(a) * x for a, x in zip(al, g)))
 

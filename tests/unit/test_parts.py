@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from jagg_lightning.collectives import Collectives
-from jagg_lightning.config import JAGGConfig, SamplingConfig
+from jagg_lightning.config import JAGGConfig, MemoryConfig, SamplingConfig
 from jagg_lightning.jagg import plan_windows
 from jagg_lightning.metrics import EvalSums
 from jagg_lightning.passes import fused_samples, pass_plan, pass_steps_before_routing, reference_steps
@@ -27,15 +27,15 @@ def test_pass_plan_follows_its_cost_formula(rng_seed):
         a = rnd.randint(1, 50) * 1000
         windows = routed(plan_windows(list(range(rnd.randint(4, 12))), rnd.randint(2, 4)), set(rnd.sample(range(6), 3)))
         n, budget_units = rnd.randint(1, 16), rnd.uniform(0.5, 40)
-        jagg = JAGGConfig(memory_budget_mb=budget_units * a / 2**20)
-        size, split = pass_plan(n, windows, jagg, lambda: a)
+        memory = MemoryConfig(budget_mb=budget_units * a / 2**20)
+        size, split = pass_plan(n, windows, memory, lambda: a)
         R = sum(w.routed for w in windows)
         E = len({k for w in windows if not w.routed for k in w.steps})
 
         def passes(c, split_anchors):
             return ((2 * R if split_anchors else R) + E) * -(-n // c)
 
-        limit = int(jagg.memory_budget_mb * 2**20)
+        limit = int(memory.budget_mb * 2**20)
         fits = [(c, s) for c in range(1, n + 1) for s in (False, True) if c * a * (1 if s else 2) <= limit]
         assert 1 <= size <= n
         if fits:
@@ -44,9 +44,14 @@ def test_pass_plan_follows_its_cost_formula(rng_seed):
         else:  # not one sample fits: split anchors, one sample a pass
             assert (size, split) == (1, True)
     never = lambda: pytest.fail("measured without a budget")  # noqa: E731
-    assert pass_plan(7, windows, JAGGConfig(low_memory=True), never) == (7, True)
-    assert fused_samples(3, JAGGConfig(), never) is None and fused_samples(3, JAGGConfig(fused_samples=2), never) == 2
-    assert fused_samples(4, JAGGConfig(memory_budget_mb=9 * 1000 / 2**20), lambda: 1000) == 2  # 9 a over 4 kept steps
+    assert pass_plan(7, windows, MemoryConfig(anchors="split"), never) == (7, True)
+    assert pass_plan(7, windows, MemoryConfig(), never) == (7, False)
+    assert fused_samples(3, MemoryConfig(), never) is None and fused_samples(3, MemoryConfig(fused_samples=2), never) == 2
+    assert fused_samples(4, MemoryConfig(budget_mb=9 * 1000 / 2**20), lambda: 1000) == 2  # 9 a over 4 kept steps
+    # a layout named under a budget is kept, with the samples per pass the budget allows it
+    budget = MemoryConfig(budget_mb=5 * 1000 / 2**20, anchors="batched")
+    assert pass_plan(7, windows, budget, lambda: 1000) == (2, False)  # 2 samples x 2 anchors x a <= 5 a
+    assert pass_plan(7, windows, MemoryConfig(budget_mb=budget.budget_mb, anchors="split"), lambda: 1000) == (5, True)
 
 
 @pytest.mark.parametrize("jagg_frac,limit", [(0.0, None), (0.5, None), (1.0, None), (1.0, 0.1)])
@@ -70,8 +75,8 @@ def test_steps_that_get_a_pass_before_routing_cover_every_routing(jagg_frac, lim
 
 def test_plan_rollout_is_drawn_from_seed_and_step_only(rng_seed):
     sampling = SamplingConfig(num_steps=10, step_kind="cps", sde_window_size=6, sde_window_range=[0, 9],
-                              window_fraction=0.5, seed=rng_seed % 10_000)
-    jagg = JAGGConfig(window_size=2)
+                              seed=rng_seed % 10_000)
+    jagg = JAGGConfig(window_size=2, window_fraction=0.5)
     torch.manual_seed(rng_seed)
     first = [plan_rollout(sampling, jagg, step) for step in range(30)]
     torch.manual_seed(rng_seed + 1)  # the global stream must not matter

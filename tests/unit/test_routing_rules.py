@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from jagg_lightning.jagg import alphas, cosine_score, interpolation_residual, routing_score
-from jagg_lightning.module import JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.jagg import alphas
+from jagg_lightning.routing import cosine_score, interpolation_residual, routing_score
+from jagg_lightning import JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.rollout import Trajectory
 from jagg_lightning.sde import flow_match_sigmas
 from helpers import tiny_policy_config
@@ -86,9 +87,9 @@ def test_unknown_routing_rule_is_rejected_before_any_model_is_built(monkeypatch)
 
 
 def _random_router(seed, estimator="paper"):
-    module = JAGGModule(policy=tiny_policy_config(), sampling=SamplingConfig(num_steps=13, group_size=2, seed=seed),
+    module = JAGGModule(policy=tiny_policy_config(), sampling=SamplingConfig(num_steps=13, group_size=2),
                         jagg=JAGGConfig(window_size=3, chained=True, jagg_frac=0.5, routing="random",
-                                        estimator=estimator, control_p=0.5))
+                                        estimator=estimator, control_p=0.5), seed=seed)
     module.configure_model()
     return module
 

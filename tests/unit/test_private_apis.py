@@ -1,0 +1,90 @@
+"""The private APIs of our dependencies that the package still uses, one test each (docs/architecture.md, "Private
+APIs we still use"): each fails with a message saying what changed and where we depend on it, so an upgrade of
+Lightning, torch or TensorBoard that moves one is caught here, not by a user. (The diffusers pipelines' private
+latent helpers, ``QwenImagePipeline._unpack_latents`` and ``Flux2KleinPipeline._patchify_latents`` /
+``_unpatchify_latents``, are checked where they are used: the family tests compare the policies' sampling with the
+pipelines' own.)"""
+
+import inspect
+
+import pytest
+import torch
+
+
+def test_lightning_hands_the_cli_config_to_save_hyperparameters_through_a_context_variable():
+    """JAGGModule.__init__ (module.py) tells LightningCLI's instantiation from a plain Python one by
+    ``hparams_mixin._given_hyperparameters``: the CLI's own config is then what the checkpoint records (re-parseable
+    on --ckpt_path). Lightning has no public way to ask."""
+    from contextvars import ContextVar
+
+    from lightning.pytorch.core.mixins import hparams_mixin
+
+    given = getattr(hparams_mixin, "_given_hyperparameters", None)
+    assert isinstance(given, ContextVar), ("lightning moved hparams_mixin._given_hyperparameters: JAGGModule.__init__ "
+                                           "can no longer tell LightningCLI's instantiation (module.py)")
+    with hparams_mixin._given_hyperparameters_context(hparams={"a": 1}, instantiator="x"):
+        assert given.get()["a"] == 1
+    assert given.get() is None
+
+
+def test_lightning_cli_keeps_its_subcommand_parsers():
+    """cli.py reads ``LightningCLI._subcommand_parsers`` for the keys a typo is matched against ("did you mean") and
+    for the model section's defaults on --ckpt_path (what the user said vs. what the checkpoint restores)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    source = inspect.getsource(LightningCLI)
+    assert "self._subcommand_parsers[" in source, ("LightningCLI no longer keeps _subcommand_parsers: cli.py's typo "
+                                                    "suggestions and resume overrides read it")
+
+
+def test_rich_progress_bar_still_describes_the_epoch_with_a_private_method():
+    """callbacks/progress.py overrides ``RichProgressBar._get_train_description`` (without max_epochs Lightning
+    prints "Epoch 19/-2")."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    method = getattr(RichProgressBar, "_get_train_description", None)
+    assert callable(method) and list(inspect.signature(method).parameters) == ["self", "current_epoch"], (
+        "RichProgressBar._get_train_description changed: StepProgressBar (callbacks/progress.py) overrides it")
+
+
+def test_tensorboard_summary_writer_gives_its_file_writer(tmp_path):
+    """images.log_video writes an encoded GIF summary through ``SummaryWriter._get_file_writer()`` (``add_video``
+    needs moviepy; the public ``file_writer`` attribute is None once the writer was closed)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path))
+    writer.close()
+    file_writer = getattr(writer, "_get_file_writer", lambda: None)()
+    assert file_writer is not None and callable(getattr(file_writer, "add_summary", None)), (
+        "torch's SummaryWriter._get_file_writer changed: images.log_video writes videos through it")
+    writer.close()
+
+
+def test_lightning_names_the_sharded_checkpoint_metadata_as_we_do():
+    """sharded_checkpoint.METADATA_FILE mirrors ``lightning.fabric.utilities.load._METADATA_FILENAME`` (the file
+    ModelParallelStrategy writes beside the shards)."""
+    from lightning.fabric.utilities import load
+
+    from jagg_lightning.sharded_checkpoint import METADATA_FILE
+
+    assert getattr(load, "_METADATA_FILENAME", None) == METADATA_FILE, (
+        "Lightning renamed the sharded checkpoint's metadata file: update sharded_checkpoint.METADATA_FILE")
+
+
+@pytest.mark.parametrize("args,kwargs,expected", [
+    (("cpu",), {}, ("cpu", None)),
+    ((torch.float64,), {}, (None, torch.float64)),
+    (("cpu", torch.float16), {}, ("cpu", torch.float16)),
+    ((), {"dtype": torch.bfloat16, "device": "cpu"}, ("cpu", torch.bfloat16)),
+    ((torch.zeros(1, dtype=torch.float64),), {}, (torch.device("cpu"), torch.float64)),
+    ((0,), {}, (0, None)),
+    (("cpu", torch.float32, True), {}, ("cpu", torch.float32)),  # positional non_blocking is not a device
+])
+def test_module_to_reads_its_arguments_with_public_types_only(args, kwargs, expected):
+    """JAGGModule.to parses Module.to's arguments itself (it used torch._C._nn._parse_to): against torch's parser."""
+    from jagg_lightning.module import _to_arguments
+
+    assert _to_arguments(args, kwargs) == expected
+    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)  # the reference only, never the package
+    got_device, got_dtype = _to_arguments(args, kwargs)
+    assert got_dtype == dtype and (got_device is None) == (device is None)
