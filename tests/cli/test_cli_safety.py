@@ -378,6 +378,7 @@ class Parsed(Exception):
     (["--model.sampling.noise_level", "0.55"], "sampling.noise_level", 0.55),
     (["--model.grpo.clip_range", "0.003"], "grpo.clip_range", 0.003),
     (["--model.jagg.jagg_frac", "0.25"], "jagg.jagg_frac", 0.25),
+    (["--model.memory.anchors", "split"], "memory.anchors", "split"),
     (["--model.evaluation.grid_prompts", "1"], "evaluation.grid_prompts", 1),
     (["--model.reward", "jpeg_incompressibility"], "reward", "jpeg_incompressibility"),
     (["--model.reward_workers", "3"], "reward_workers", 3),
@@ -385,6 +386,7 @@ class Parsed(Exception):
     (["--model.policy.lora_alpha", "64"], None, "model.policy.lora_alpha: checkpoint 8"),  # restates the default
     (["--model.policy.lora_targets", "[to_q]"], None, "model.policy.lora_targets: checkpoint"),
     (["--model.ema_decay", "0.5"], None, "model.ema_decay: checkpoint None, given 0.5"),
+    (["--model.seed", "3"], None, "model.seed: checkpoint"),  # it seeds the LoRA init (the policy stream) too
     (["--model.optimizer", "torch.optim.SGD", "--model.optimizer.lr", "0.1"], None, "model.optimizer"),
     (["--model.lr_scheduler", "torch.optim.lr_scheduler.ConstantLR"], None, "model.lr_scheduler"),
 ])
