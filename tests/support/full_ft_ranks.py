@@ -14,6 +14,8 @@ from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.policies import PolicyConfig
 from jagg_lightning.strategies import FSDP2Strategy
 
+from helpers import float64_reward
+
 PROMPTS = ["a red cat", "a blue dog", "a green tree", "a yellow sun"]
 
 
@@ -24,6 +26,7 @@ def build(seed, dtype="float64", kl_beta=0.2, ema_decay=None):
         GRPOConfig(train_batch_size=2, kl_beta=kl_beta, max_grad_norm=0.05),
         JAGGConfig(window_size=2, jagg_frac=0.5),
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=1e-2), ema_decay=ema_decay,
+        reward=float64_reward(dtype),
         seed=seed,
     )
 

@@ -8,6 +8,7 @@ import torch
 from jagg_lightning.grpo import StepRecord, step_loss
 from jagg_lightning.policies import PolicyConfig
 from jagg_lightning.policies.sd3 import SD3Policy
+from jagg_lightning.rewards import JpegCompressibility
 
 SEED_VARIABLE = "JAGG_TEST_SEED"
 
@@ -79,3 +80,20 @@ def counted_velocity(policy):
         yield calls
     finally:
         del policy.velocity
+
+
+class Float64Jpeg(JpegCompressibility):
+    """JPEG compressibility scored in float64. The advantages take the rewards' dtype (``grpo.group_advantages``), and
+    float32 group statistics round by the shape of the reward tensor (about 1 group in 1000 differs by an ulp between
+    a [1, K] and a [2, K] batch: one micro-batch against two, one process against two): a float64 test that compares
+    two layouts of the same run scores in float64, so the runs agree at float64 precision."""
+
+    name = "jpeg_compressibility_float64"
+
+    def score(self, images, prompts):
+        return super().score(images, prompts).double()
+
+
+def float64_reward(dtype) -> Float64Jpeg | str:
+    """The JPEG reward at the test's precision: float64 for a float64 run, else the registered one."""
+    return Float64Jpeg() if dtype in ("float64", torch.float64) else "jpeg_compressibility"

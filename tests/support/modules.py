@@ -6,7 +6,7 @@ import torch
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 
-from helpers import randomize_lora_b, tiny_policy_config
+from helpers import float64_reward, randomize_lora_b, tiny_policy_config
 
 PROMPTS = ["a red cat", "a blue dog", "a green tree", "a yellow sun"]
 
@@ -21,6 +21,7 @@ def make_module(seed, dtype="float32", jagg_frac=0.5, lr=1e-3, optimizer=None, r
         JAGGConfig(**({"window_size": 3, "jagg_frac": jagg_frac} | (jagg or {}))),
         optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=lr)),
         ema_decay=ema_decay,
+        reward=float64_reward(dtype),
         seed=seed,
     )
     module.configure_model()

@@ -7,7 +7,7 @@ from jagg_lightning.policies import PolicyConfig
 from jagg_lightning.policies.wan import build_tiny_wan_pipeline
 from jagg_lightning.rewards import FrameReward
 
-from helpers import randomize_lora_b, tiny_policy_config
+from helpers import float64_reward, randomize_lora_b, tiny_policy_config
 
 TWINS = {"wan21": False, "wan22": True}  # name -> two experts
 
@@ -31,7 +31,7 @@ def module_for(twin, path, seed, dtype="float32", jagg_frac=0.5, window_size=2, 
         GRPOConfig(**({"train_batch_size": 4, "skip_zero_advantage": False} | grpo)),
         JAGGConfig(window_size=window_size, jagg_frac=jagg_frac),
         optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-3)),
-        reward=FrameReward("jpeg_compressibility", frames=3),  # image rewards score videos through FrameReward
+        reward=FrameReward(float64_reward(dtype), frames=3),  # image rewards score videos through FrameReward
         seed=seed,
     )
     module.configure_model()
@@ -46,11 +46,11 @@ WAN = {"max_sequence_length": 8, "guidance_scale": 5.0, "guidance_scale_2": 3.0,
 
 def full_module(seed, **policy):
     return JAGGModule(
-        PolicyConfig(**({"family": "wan22", "trainable": "full", "dtype": "float64", "seed": seed} | WAN | policy)),
+        PolicyConfig(**({"family": "wan22", "trainable": "full", "dtype": "float64"} | WAN | policy)),
         SamplingConfig(num_steps=3, group_size=2, rollout_batch_size=2),  # sigmas 1 | 0.75, 0.003
         GRPOConfig(train_batch_size=2, max_grad_norm=None, kl_beta=0.3),
         JAGGConfig(window_size=2, jagg_frac=0.0),
         optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
-        reward=FrameReward("jpeg_compressibility", frames=3),
+        reward=FrameReward(float64_reward("float64"), frames=3),
         seed=seed,
     )

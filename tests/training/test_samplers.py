@@ -25,7 +25,7 @@ def build(seed, sampling=None, grpo=None, jagg=None, dtype="float32", optimizer=
           evaluation=None, **policy):
     module = JAGGModule(
         tiny_policy_config(dtype=dtype, **policy),
-        SamplingConfig(**({"num_steps": 6, "group_size": 3, "seed": seed, "rollout_batch_size": 3} | (sampling or {}))),
+        SamplingConfig(**({"num_steps": 6, "group_size": 3, "rollout_batch_size": 3} | (sampling or {}))),
         GRPOConfig(**({"train_batch_size": 3} | (grpo or {}))),
         JAGGConfig(**({"window_size": 3, "jagg_frac": 0.5} | (jagg or {}))),
         reward=reward,

@@ -10,7 +10,7 @@ from jagg_lightning.data import PromptDataModule
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, MemoryConfig, SamplingConfig
 from jagg_lightning.passes import fused_graph_steps, fused_samples, pass_plan
 
-from helpers import randomize_lora_b, rel_error, tiny_policy_config
+from helpers import float64_reward, randomize_lora_b, rel_error, tiny_policy_config
 
 PROMPTS = ["a red cat", "a blue dog"]
 K = 3
@@ -29,6 +29,7 @@ def build(seed, fused, dtype="float64", rollout_batch_size=6, guidance=1.0, kl_b
         JAGGConfig(**({"window_size": 3, "fused_rollout": fused} | options)),
         optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
         memory=MemoryConfig(**memory),
+        reward=float64_reward(dtype),
         seed=seed,
     )
     module.configure_model()
