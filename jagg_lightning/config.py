@@ -32,7 +32,8 @@ class PolicyConfig:
         (Flow-GRPO's targets for that family).
     guidance_scale: the family's guidance: CFG for SD3 (1.0 = off, one forward instead of two), the
         embedded distilled guidance for FLUX.1-dev.
-    resolution: image side in pixels; None = the transformer's native sample size.
+    resolution: the image size in pixels: ``[height, width]``, or one integer for a square; None = the family's
+        native size (:func:`image_size`). Each side must be a multiple of the VAE factor times the patch side.
     dtype: dtype of the frozen weights; LoRA weights and SDE math stay float32 (float64 if chosen).
     gradient_checkpointing: recompute each transformer block's activations in backward (diffusers'
         non-reentrant checkpointing): less activation memory, about one extra block forward per backward.
@@ -41,7 +42,8 @@ class PolicyConfig:
     trainable_modules: with "full", module-name patterns (a name, a dotted suffix of one, or an fnmatch
         pattern) to train only those modules in full; null = every weight. Each must match some module.
     reference_offload: with "full" and kl_beta > 0, keep the frozen KL reference copy on the CPU between uses.
-    num_frames: video families only (Wan): frames per video, 4 k + 1; None = the family's default.
+    num_frames: video families only (Wan): frames per video, 4 k + 1; None = the family's default (81; the twin 9).
+        An image family refuses any other value than None or 1.
     guidance_scale_2: two-expert video families only (Wan2.2): the low-noise expert's CFG; None = guidance_scale.
     adapter: an exported LoRA (``LoRAExport``'s folder, its ``peft/`` or ``diffusers/`` part) to start from:
         its rank, alpha and targets replace lora_rank / lora_alpha / lora_targets (evaluate, sample or train on);
@@ -63,7 +65,7 @@ class PolicyConfig:
     guidance_scale: float = 4.5
     negative_prompt: str = ""
     max_sequence_length: int = 128
-    resolution: int | None = None
+    resolution: int | list[int] | None = None
     dtype: str = "float32"
     load_t5: bool = True
     seed: int = 0  # deprecated in a JAGGModule: model.seed
@@ -89,7 +91,7 @@ class PolicyConfig:
             raise ValueError(f"policy.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         integer("max_sequence_length", self.max_sequence_length, "an integer >= 1", lambda v: v >= 1)
         if self.resolution is not None:  # the multiple of VAE factor x patch size is checked against the model
-            integer("resolution", self.resolution, "an integer >= 1 (pixels) or null", lambda v: v >= 1)
+            check_resolution_field(self.resolution)
         integer("seed", self.seed, "an integer", lambda v: True)
         if self.num_frames is not None:  # the 4 k + 1 rule is the VAE's, checked by the family
             integer("num_frames", self.num_frames, "an integer >= 1 or null", lambda v: v >= 1)
@@ -103,6 +105,23 @@ class PolicyConfig:
             raise ValueError("policy.lora_targets must be a non-empty list of module names or null (the family's "
                              f"default), got {self.lora_targets!r}")
         check_trainable(self, PolicyConfig)
+
+
+def check_resolution_field(resolution) -> None:
+    """``policy.resolution``: an integer >= 1 or a ``[height, width]`` pair of them (pixels)."""
+    pair = isinstance(resolution, (list, tuple)) and len(resolution) == 2
+    sides = list(resolution) if pair else [resolution]
+    if not (pair or isinstance(resolution, int)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sides):
+        raise ValueError("policy.resolution must be [height, width] (integers >= 1, pixels), one integer (a square) "
+                         f"or null, got {resolution!r}")
+
+
+def image_size(resolution, native) -> tuple[int, int]:
+    """(height, width) in pixels of ``policy.resolution`` -- ``[H, W]``, one side of a square, or None for ``native``
+    (itself an integer side or an ``(H, W)`` pair: the family pipeline's default size)."""
+    size = native if resolution is None else resolution
+    return (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
 
 @dataclass

@@ -98,8 +98,9 @@ def write_image(trainer, path: Path, key: str, image: np.ndarray) -> Path:
 
 def labelled_grid(grid: np.ndarray, side: int, row_labels: list[str], column_labels: list[str],
                   scale: int | None = None, min_side: int = 96) -> np.ndarray:
-    """A readable copy of ``grid`` (uint8 [rows*side, cols*side, 3], e.g. from :func:`image_grid`): every pixel
-    repeated ``scale`` times (nearest; None = enough for ``min_side`` px per image), one prompt per row written at
+    """A readable copy of ``grid`` (uint8 [rows*side, cols*W, 3], e.g. from :func:`image_grid`; ``side`` is a cell's
+    height, its width may differ): every pixel repeated ``scale`` times (nearest; None = enough for ``min_side`` px
+    of height per image), one prompt per row written at
     the left, and one label per column group above it (``column_labels`` split the columns evenly: e.g.
     ``["base: held-out acc 0.47", "fine-tuned: 0.63"]`` over 2 x 4 samples). A video grid (uint8
     [F, rows*side, cols*side, 3]) is labelled frame by frame."""

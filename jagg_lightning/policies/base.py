@@ -47,8 +47,9 @@ Contract details the engine relies on:
   shift instead of the scheduler's.
 * ``guided``: ``cfg`` of the configured guidance.
 * ``pipeline_class``: the diffusers pipeline class (``save_lora_weights`` / ``load_lora_weights``).
-* ``setup`` must set ``self.resolution`` (pixels; callbacks size their grids from it); the base then checks it
-  against ``pixel_multiple`` (set ``packing`` for 1x1 patches of 2x2-packed latents).
+* ``setup`` must set ``self.height`` / ``self.width`` (pixels: ``set_size(native)``; ``resolution`` is the
+  pair); the base then checks each side against ``pixel_multiple`` (set ``packing`` for 1x1 patches of 2x2-packed
+  latents).
 * Several networks (Wan2.2's two experts): ``expert_names`` / ``expert_index(times)`` say which runs at each step
   (windows are cut where it changes: ``expert_starts``; ``RoutingStats`` logs per expert), ``sharded_networks()``
   lists what FSDP2 shards, ``extra_lora_modules()`` what the export writes beside ``transformer``; both follow
@@ -71,7 +72,7 @@ from torch import Tensor, nn
 
 from jagg_lightning.adapters import attach_lora
 from jagg_lightning.assets import resolve_path
-from jagg_lightning.config import PolicyConfig
+from jagg_lightning.config import PolicyConfig, image_size
 from jagg_lightning.dtypes import DTYPES
 from jagg_lightning.full_finetune import train_in_full
 from jagg_lightning.reference import reference_applied
@@ -106,11 +107,15 @@ class Policy(nn.Module):
 
     family: str = ""
     pipeline_class_name: str = ""
+    video: bool = False  # a video family (``policy.num_frames``; ``decode`` gives [n, F, 3, H, W])
     default_lora_targets: list[str] = []
 
     def __init__(self, config: PolicyConfig | None = None, pipeline=None):
         super().__init__()
         self.config = config = config or PolicyConfig(family=self.family)
+        if not self.video and config.num_frames not in (None, 1):  # before anything is built
+            raise ValueError(f"policy.num_frames: the {self.family} family makes images (null or 1), got "
+                             f"{config.num_frames}")
         dtype = DTYPES[config.dtype]
         if pipeline is None:
             if config.pretrained is None:
@@ -122,7 +127,8 @@ class Policy(nn.Module):
         object.__setattr__(self, "_pipeline", pipeline)
         self.scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config)
         self.setup(pipeline)
-        self.check_resolution(self.resolution, self.pixel_multiple(self.vae.config, self.transformer.config))
+        self.check_resolution(self.config.resolution or self.resolution,  # the value as the user wrote it
+                              self.pixel_multiple(self.vae.config, self.transformer.config))
         for module in self.frozen_modules():
             module.requires_grad_(False)
             module.eval()
@@ -246,10 +252,22 @@ class Policy(nn.Module):
         return factor * int(patch[-1] if isinstance(patch, (list, tuple)) else patch)
 
     @staticmethod
-    def check_resolution(resolution: int, multiple: int) -> None:
-        if resolution % multiple:
-            raise ValueError(f"policy.resolution must be a multiple of {multiple} (the VAE factor x the patch side), "
-                             f"got {resolution}")
+    def check_resolution(resolution, multiple: int) -> None:
+        """Each side of ``resolution`` (``[H, W]`` or one side) a multiple of ``multiple``, or one error naming it."""
+        if any(side % multiple for side in image_size(resolution, None)):
+            shown = list(resolution) if isinstance(resolution, (list, tuple)) else resolution
+            raise ValueError(f"policy.resolution must be a multiple of {multiple} per side (the VAE factor x the patch "
+                             f"side), got {shown}")
+
+    @property
+    def resolution(self) -> tuple[int, int]:
+        """(height, width) in pixels of the images -- a video's frames -- the policy samples (``setup`` sets
+        ``self.height`` and ``self.width``, from ``policy.resolution`` or the family's native size)."""
+        return self.height, self.width
+
+    def set_size(self, native) -> None:
+        """``self.height`` / ``self.width`` from ``policy.resolution``, or ``native`` (a side or ``(H, W)``) when None."""
+        self.height, self.width = image_size(self.config.resolution, native)
 
     # the names of the networks a sampling step may run on, in expert-index order (Wan2.2: "high_noise",
     # "low_noise"); empty for a family with one network. Per-expert statistics (``RoutingStats``) use them.

@@ -116,13 +116,11 @@ class FluxPolicy(Policy):
         self.latent_channels = self.transformer.config.in_channels // 4
         # the VAE's sample size (1024 for FLUX.1, 32 for the tiny twin); FluxPipeline's own default otherwise
         native = self.vae.config.get("sample_size") or pipeline.default_sample_size * self.vae_scale_factor
-        native = native if isinstance(native, int) else native[0]
-        self.resolution = self.config.resolution or native
+        self.set_size(native)
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
-        side = self.resolution // self.vae_scale_factor
-        return (self.latent_channels, side, side)
+        return (self.latent_channels, self.height // self.vae_scale_factor, self.width // self.vae_scale_factor)
 
     @property
     def image_seq_len(self) -> int:

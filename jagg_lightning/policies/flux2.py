@@ -115,13 +115,13 @@ class Flux2Policy(Policy):
         self.vae_scale_factor = pipeline.vae_scale_factor
         # the VAE's sample size (the twin's 32 px); the pipeline's default (1024 px) otherwise
         native = self.vae.config.get("sample_size") or pipeline.default_sample_size * self.vae_scale_factor
-        self.resolution = self.config.resolution or (native if isinstance(native, int) else native[0])
+        self.set_size(native)
 
     # ------------------------------------------------------------------ shapes and schedule
     @property
     def latent_shape(self) -> tuple[int, int, int]:
-        side = self.resolution // (self.vae_scale_factor * 2)
-        return (self.transformer.config.in_channels, side, side)
+        pack = self.vae_scale_factor * 2
+        return (self.transformer.config.in_channels, self.height // pack, self.width // pack)
 
     @property
     def image_seq_len(self) -> int:

@@ -149,14 +149,14 @@ class QwenImagePolicy(Policy):
         self.latent_channels = self.transformer.config.in_channels // 4
         # None: the tiny twin's 32 px, or the pipeline's default (1024 px for Qwen-Image)
         native = 32 if self.config.pretrained is None else pipeline.default_sample_size * self.vae_scale_factor
-        self.resolution = self.config.resolution or native
+        self.set_size(native)
 
     # ------------------------------------------------------------------ shapes and schedule
     @property
     def grid(self) -> tuple[int, int]:
         """(rows, cols) of the packed token grid."""
-        side = self.resolution // (self.vae_scale_factor * 2)
-        return side, side
+        pack = self.vae_scale_factor * 2
+        return self.height // pack, self.width // pack
 
     @property
     def latent_shape(self) -> tuple[int, int]:
@@ -212,7 +212,7 @@ class QwenImagePolicy(Policy):
     def decode(self, latents: Tensor) -> Tensor:
         """Packed latents -> images [B, 3, H, W] in [0, 1], float32."""
         cfg = self.vae.config
-        z = self._pipeline._unpack_latents(latents, self.resolution, self.resolution, self.vae_scale_factor)
+        z = self._pipeline._unpack_latents(latents, self.height, self.width, self.vae_scale_factor)
         z = z.to(self.vae.dtype)
         mean = torch.tensor(cfg.latents_mean, dtype=z.dtype, device=z.device).view(1, cfg.z_dim, 1, 1, 1)
         std = torch.tensor(cfg.latents_std, dtype=z.dtype, device=z.device).view(1, cfg.z_dim, 1, 1, 1)

@@ -131,12 +131,11 @@ class SD3Policy(Policy):
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.latent_channels = self.transformer.config.in_channels
         native = self.transformer.config.sample_size * self.vae_scale_factor
-        self.resolution = native if self.config.resolution is None else self.config.resolution
+        self.set_size(native)
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
-        side = self.resolution // self.vae_scale_factor
-        return (self.latent_channels, side, side)
+        return (self.latent_channels, self.height // self.vae_scale_factor, self.width // self.vae_scale_factor)
 
     def scheduler_kwargs(self, num_steps: int) -> dict:
         """As ``StableDiffusion3Pipeline``: mu from the image sequence length only with dynamic shifting."""
@@ -144,9 +143,10 @@ class SD3Policy(Policy):
             return {}
         from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
-        side = self.latent_shape[-1] // self.transformer.config.patch_size
+        patch = self.transformer.config.patch_size
+        tokens = (self.latent_shape[1] // patch) * (self.latent_shape[2] // patch)
         cfg = self.scheduler.config
-        return {"mu": calculate_shift(side * side, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+        return {"mu": calculate_shift(tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
                                       cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.16))}
 
     @torch.no_grad()

@@ -87,6 +87,7 @@ class WanPolicy(Policy):
 
     family = "wan"
     pipeline_class_name = "WanPipeline"
+    video = True
     default_lora_targets = WAN_LORA_TARGETS
     adapter_mismatch_hint = (" (a Wan2.2 adapter holds one LoRA per expert, transformer and transformer_2: "
                              "peft_transformer_2/ or diffusers_transformer_2/ beside peft/ or diffusers/; a Wan2.1 "
@@ -119,8 +120,8 @@ class WanPolicy(Policy):
         if not isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler):
             self.scheduler = FlowMatchEulerDiscreteScheduler(shift=shift, num_train_timesteps=cfg.num_train_timesteps)
         self.temporal, self.spatial = pipeline.vae_scale_factor_temporal, pipeline.vae_scale_factor_spatial
-        native = 32 if self.config.pretrained is None else 480  # the twin's; Wan2.1-1.3B's 480p (square here)
-        self.resolution = self.config.resolution or native
+        # the twin's 32 px; WanPipeline's default 480 x 832 (height x width) for a saved pipeline
+        self.set_size(32 if self.config.pretrained is None else (480, 832))
         frames = self.config.num_frames or (TINY_FRAMES if self.config.pretrained is None else 81)
         if (frames - 1) % self.temporal:
             raise ValueError(f"policy.num_frames must be {self.temporal} k + 1 (the VAE's temporal compression), "
@@ -160,8 +161,8 @@ class WanPolicy(Policy):
     # ------------------------------------------------------------------ shapes and schedule
     @property
     def latent_shape(self) -> tuple[int, int, int, int]:
-        side = self.resolution // self.spatial
-        return (self.transformer.config.in_channels, (self.num_frames - 1) // self.temporal + 1, side, side)
+        frames = (self.num_frames - 1) // self.temporal + 1
+        return (self.transformer.config.in_channels, frames, self.height // self.spatial, self.width // self.spatial)
 
     def cfg(self, guidance: Guidance) -> bool:
         """True CFG when either expert's scale is > 1 (both then take the negative branch)."""

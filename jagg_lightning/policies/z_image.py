@@ -115,21 +115,21 @@ class ZImagePolicy(Policy):
         self.patch_size = self.transformer.config.all_patch_size[0]
         # the VAE's sample size (the FLUX.1 VAE Z-Image ships: 1024; the twin's: 32); the pipeline's 1024 without one
         native = self.vae.config.get("sample_size") or 1024
-        self.resolution = self.config.resolution or (native if isinstance(native, int) else native[0])
+        self.set_size(native)
 
     # ------------------------------------------------------------------ shapes and schedule
     @property
     def latent_shape(self) -> tuple[int, int, int]:
-        side = self.resolution // self.vae_scale_factor
-        return (self.transformer.config.in_channels, side, side)
+        return (self.transformer.config.in_channels, self.height // self.vae_scale_factor,
+                self.width // self.vae_scale_factor)
 
     def scheduler_kwargs(self, num_steps: int) -> dict:
         """As ``ZImagePipeline.__call__``: sigmas linspace(1, 1/S, S) and mu for the patch count."""
         from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift
 
         cfg = self.scheduler.config
-        side = self.latent_shape[-1] // self.patch_size
-        mu = calculate_shift(side * side, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+        tokens = (self.latent_shape[1] // self.patch_size) * (self.latent_shape[2] // self.patch_size)
+        mu = calculate_shift(tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
                              cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
         return {"sigmas": torch.linspace(1.0, 1 / num_steps, num_steps).tolist(), "mu": mu}
 

@@ -66,7 +66,9 @@ CASES = {
                      r"model\.policy\.lora_targets \['no_such_module'\] match no layer"),
     "ckpt_missing": ("fit", ["--ckpt_path", "{tmp}/nothing.ckpt"], r"ckpt_path: no such file"),
     "resolution": ("fit", ["--model.policy.resolution", 36],
-                   r"model\.policy\.resolution must be a multiple of 8 \(.*\), got 36"),
+                   r"model\.policy\.resolution must be a multiple of 8 per side \(.*\), got 36"),
+    "resolution_pair": ("fit", ["--model.policy.resolution", "[32, 36]"],
+                        r"model\.policy\.resolution must be a multiple of 8 per side \(.*\), got \[32, 36\]"),
 }
 
 

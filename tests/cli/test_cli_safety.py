@@ -20,7 +20,9 @@ import jagg_lightning.module as module_lib
 from jagg_lightning.cli import cli_main
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.config import image_size
 from jagg_lightning.policies import PolicyConfig
+from jagg_lightning.policies.sd3 import SD3Policy
 from jagg_lightning.rewards import JpegCompressibility, Reward, WeightedReward
 
 from helpers import TINY_TARGETS, randomize_lora_b, tiny_policy_config
@@ -98,8 +100,10 @@ def no_model(monkeypatch):
     (["--model.policy.lora_rank", "2.5"], "model.policy.lora_rank"),
     (["--model.policy.guidance_scale", "0.5"], "policy.guidance_scale must be >= 1.0"),
     (["--model.policy.dtype", "float8"], "policy.dtype must be one of"),
-    (["--model.policy.resolution", "0"], "policy.resolution must be an integer >= 1"),
-    (["--model.policy.resolution", "-32"], "policy.resolution must be an integer >= 1"),
+    (["--model.policy.resolution", "0"], "policy.resolution must be [height, width] (integers >= 1, pixels)"),
+    (["--model.policy.resolution", "-32"], "policy.resolution must be [height, width] (integers >= 1, pixels)"),
+    (["--model.policy.resolution", "[480]"], "policy.resolution must be [height, width]"),
+    (["--model.policy.resolution", "[480, 0]"], "policy.resolution must be [height, width]"),
     (["--model.jagg.window_size", "12"], "model.jagg.window_size must be <= model.sampling.trained_steps"),
     (["--model.evaluation.num_steps", "0"], "evaluation.num_steps must be >= 1"),
     (["--data.prompts", "a cat"], "data.prompts must be a list of strings"),
@@ -164,8 +168,8 @@ def test_fit_validates_logs_every_component_and_images_to_tensorboard(cli_run):
     grids = sorted((Path(cli.trainer.log_dir) / "samples").glob("val_step_*.png"))
     assert grids
     with Image.open(grids[-1]) as img:
-        side = cli.model.policy.resolution
-        assert img.size == (side, 2 * side)  # grid_prompts 2, one sample each
+        height, width = cli.model.policy.resolution
+        assert img.size == (width, 2 * height)  # grid_prompts 2, one sample each
     events = EventAccumulator(str(cli.trainer.log_dir), size_guidance={"images": 0}).Reload()
     assert {"val/samples", "routing"} <= set(events.Tags()["images"]), events.Tags()["images"]
     own = cli.trainer.loggers[1].images  # and any other logger that takes images
@@ -233,7 +237,7 @@ def test_validate_and_predict_with_the_trained_adapter(cli_run, tmp_path):
     files = sorted((tmp_path / "predictions").glob("*.png"))
     assert [f.name for f in files] == [f"p{i:05d}_s{s:02d}.png" for i in range(3) for s in range(2)]
     with Image.open(files[0]) as img:
-        assert img.size == (cli.model.policy.resolution,) * 2
+        assert img.size == cli.model.policy.resolution[::-1]  # (width, height)
 
 
 @pytest.mark.parametrize("precision,dtype", [("32-true", "float32"), ("bf16-mixed", "float32"),
@@ -296,6 +300,9 @@ def test_failing_reward_is_named_and_plain_string_loader_is_explained(rng_seed):
 @pytest.mark.parametrize("build,field", [
     (lambda: PolicyConfig(lora_rank=2.5), "policy.lora_rank"),
     (lambda: PolicyConfig(resolution=-32), "policy.resolution"),
+    (lambda: PolicyConfig(resolution=[480, 832, 3]), "policy.resolution"),
+    (lambda: PolicyConfig(resolution=[480.0, 832]), "policy.resolution"),
+    (lambda: SD3Policy(tiny_policy_config(num_frames=9)), "policy.num_frames: the sd3 family makes images"),
     (lambda: PolicyConfig(lora_targets="attn.to_q"), "policy.lora_targets"),
     (lambda: SamplingConfig(num_steps=4.0), "sampling.num_steps"),
     (lambda: PromptDataModule(prompts="a cat"), "data.prompts"),
@@ -303,8 +310,17 @@ def test_failing_reward_is_named_and_plain_string_loader_is_explained(rng_seed):
     (lambda: PromptDataModule(val_prompts=["ok", 3]), r"data.val_prompts\[1\]"),
 ])
 def test_bad_values_in_the_python_api_name_the_field(build, field):
-    with pytest.raises(ValueError, match=field.replace(".", r"\.") + " must"):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.") + ("" if ":" in field else " must")):
         build()
+
+
+@pytest.mark.parametrize("resolution,size", [(None, (32, 32)), (48, (48, 48)), ([48, 32], (48, 32)),
+                                             ([32, 64], (32, 64))])
+def test_resolution_is_height_then_width(resolution, size):
+    """An integer is a square, a pair is [height, width] as diffusers' height= / width=; null the native size."""
+    assert image_size(resolution, 32) == size
+    assert image_size(resolution, (32, 32)) == size
+    assert PolicyConfig(resolution=resolution).resolution == resolution  # kept as written (checkpoints, printed config)
 
 
 DDP_VALIDATE = textwrap.dedent('''

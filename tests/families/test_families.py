@@ -69,16 +69,23 @@ def test_twin_roundtrips_through_from_pretrained(case, twin_dirs, rng_seed):
     assert built.resolution == loaded.resolution and torch.equal(built.schedule(6), loaded.schedule(6))
 
 
+# a non-square size: height != width, neither the twin's native 32 px (each side a multiple of every twin's 4)
+TALL = [48, 32]
+WIDE = [32, 48]
+
+
 @by_case
 @pytest.mark.parametrize("num_steps", [3, 8])
-@pytest.mark.parametrize("resolution", [None, 64], ids=["native", "64px"])
+@pytest.mark.parametrize("resolution", [None, 64, [32, 64]], ids=["native", "64px", "32x64"])
 def test_schedule_equals_the_family_pipeline(case, twin_dirs, num_steps, resolution):
     """The times the engine samples at are the sigmas the family pipeline's own __call__ sets, at the twin's
-    native 32 px and at 64 px (FLUX: another image sequence length, so another dynamic-shift mu)."""
+    native 32 px, at 64 px and at 32 x 64 (FLUX: another image sequence length, so another dynamic-shift mu)."""
     policy = build_policy(case.config(pretrained=str(twin_dirs[case.name]), resolution=resolution))
-    assert policy.resolution == (resolution or 32)
+    expected = (32, 32) if resolution is None else (64, 64) if resolution == 64 else tuple(resolution)
+    assert policy.resolution == expected
+    height, width = policy.resolution
     pipe = case.build(0, torch.float32)
-    pipe(prompt=PROMPTS[:1], num_inference_steps=num_steps, height=policy.resolution, width=policy.resolution,
+    pipe(prompt=PROMPTS[:1], num_inference_steps=num_steps, height=height, width=width,
          output_type="latent", max_sequence_length=4, **case.call_kwargs)
     times = policy.schedule(num_steps)
     assert times.dtype == torch.float32 and times.shape == (num_steps + 1,) and times[0] == 1 and times[-1] == 0
@@ -89,27 +96,40 @@ def test_schedule_equals_the_family_pipeline(case, twin_dirs, num_steps, resolut
         assert dynamic == case.dynamic_shift and torch.equal(times, native) != dynamic
 
 
-@by_case
-def test_velocity_is_the_family_pipelines(case, rng_seed):
-    """One Euler step of the family pipeline's own __call__ from t = 1 (z_out = z - v) gives the policy's v:
-    same prompt encoding, latent layout (FLUX: 2x2 packing, position ids), timestep scaling and guidance."""
-    seed = rng_seed % 10_000
-    pipe = case.build(0, torch.float32)
-    policy = build_policy(case.config(seed=seed, guidance_scale=case.guidance[1], family=case.family), pipeline=pipe)
-    randomize_lora_b(policy.transformer, torch.Generator().manual_seed(seed))  # the pipeline runs the adapter too
-    gen = torch.Generator().manual_seed(seed)
-    z = torch.randn(2, *policy.latent_shape, generator=gen)
+def assert_pipeline_step_is_the_velocity(case, pipe, policy, z, guidance):
+    """One Euler step of the family pipeline's own __call__ from t = 1 (z_out = z - v), at the policy's height and
+    width, gives the policy's v."""
     layout = getattr(policy, "pack", lambda x: x)  # the pipeline's own latent layout
+    height, width = policy.resolution
+    for part in pipe.components.values():  # as from_pretrained leaves it: a twin built in memory trains (T5 dropout)
+        if isinstance(part, torch.nn.Module):
+            part.eval()
     with torch.no_grad():
-        v = policy.velocity(z, torch.ones(2), policy.encode_prompts(PROMPTS))
+        v = policy.velocity(z, torch.ones(len(z)), policy.encode_prompts(PROMPTS))
         # a copy of the prompts: some pipelines (Z-Image) rewrite the list they are given
-        out = pipe(prompt=list(PROMPTS), num_inference_steps=1, latents=layout(z), height=policy.resolution,
-                   width=policy.resolution, guidance_scale=case.pipeline_guidance(case.guidance[1]), output_type="latent",
+        out = pipe(prompt=list(PROMPTS), num_inference_steps=1, latents=layout(z), height=height, width=width,
+                   guidance_scale=case.pipeline_guidance(guidance), output_type="latent",
                    max_sequence_length=policy.config.max_sequence_length, **case.call_kwargs).images
     # FLUX.2's "latent" output is denormalised and unpatchified: back into the latents= layout
     out = getattr(policy, "latents_from_pipeline_output", lambda x: x)(out)
     assert v.abs().mean() > 0
     torch.testing.assert_close(layout(z) - out, layout(v), rtol=1e-4, atol=1e-5)
+    assert policy.decode(z).shape == (len(z), 3, height, width)  # rows and columns where the pipeline has them
+
+
+@by_case
+@pytest.mark.parametrize("resolution", [None, TALL, WIDE], ids=["native", "48x32", "32x48"])
+def test_velocity_is_the_family_pipelines(case, resolution, rng_seed):
+    """The pipeline's own step gives the policy's v: same prompt encoding, latent layout (FLUX: 2x2 packing,
+    position ids; Qwen-Image: its RoPE's image shapes), timestep scaling and guidance -- at a square and at a tall
+    and a wide size (rows and columns swapped would pass a square test)."""
+    seed = rng_seed % 10_000
+    pipe = case.build(0, torch.float32)
+    policy = build_policy(case.config(seed=seed, guidance_scale=case.guidance[1], family=case.family,
+                                      resolution=resolution), pipeline=pipe)
+    randomize_lora_b(policy.transformer, torch.Generator().manual_seed(seed))  # the pipeline runs the adapter too
+    z = torch.randn(2, *policy.latent_shape, generator=torch.Generator().manual_seed(seed))
+    assert_pipeline_step_is_the_velocity(case, pipe, policy, z, case.guidance[1])
 
 
 @by_case
@@ -157,13 +177,16 @@ def test_first_update_ratio_is_one(case, twin_dirs, guided, rng_seed):
 
 
 @by_training_case
-@pytest.mark.parametrize("jagg_frac,window_size", [(0.0, 3), (1.0, 2)], ids=["exact_grpo", "jagg_w2"])
-def test_update_equals_handwritten_per_step_grpo(case, twin_dirs, jagg_frac, window_size, rng_seed):
-    """float64: jagg_frac 0, and JAGG on W = 2 windows (no interior step), give the per-step GRPO step."""
+@pytest.mark.parametrize("jagg_frac,window_size,resolution", [(0.0, 3, None), (1.0, 2, None), (1.0, 2, TALL)],
+                         ids=["exact_grpo", "jagg_w2", "jagg_w2_48x32"])
+def test_update_equals_handwritten_per_step_grpo(case, twin_dirs, jagg_frac, window_size, resolution, rng_seed):
+    """float64: jagg_frac 0, and JAGG on W = 2 windows (no interior step), give the per-step GRPO step; at the
+    twin's square size and at a non-square one."""
     seed, lr = rng_seed % 10_000, 0.5
     module = module_for(case, twin_dirs[case.name], seed, guidance=case.guidance[1], dtype="float64",
                         jagg_frac=jagg_frac, window_size=window_size, optimizer=lambda p: torch.optim.SGD(p, lr=lr),
-                        max_grad_norm=None)
+                        max_grad_norm=None, resolution=resolution)
+    assert module.policy.resolution == (tuple(resolution) if resolution else (32, 32))
     reference = copy.deepcopy(module)
     before = [p.detach().clone() for p in module.policy.lora_parameters()]
     fit(module)
@@ -194,12 +217,14 @@ def transformer_of(policy, transformer):
 @by_training_case
 def test_jagg_fit_writes_an_adapter_the_family_pipeline_loads(case, twin_dirs, tmp_path, rng_seed):
     """`jagg fit` with the family's tiny config (configs/<family>_tiny.yaml) on the saved twin, the family
-    detected from its model_index.json, fewer steps; the family pipeline's load_lora_weights reproduces it."""
+    detected from its model_index.json, fewer steps, at a non-square size; the family pipeline's load_lora_weights
+    reproduces it, its own __call__ at that size included."""
     seed = str(rng_seed % 10_000)
     args = tiny_fit_args(ROOT / case.tiny_config, seed, twin_dirs[case.name], tmp_path)
-    cli = cli_main(args, run=False)
+    cli = cli_main([*args, "--model.policy.resolution", "[48, 32]"], run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
     policy = cli.model.policy
+    assert policy.resolution == (48, 32)
     assert policy.family == case.family and policy.config.guidance_scale > 1  # the config trains with guidance
     assert policy.guided == case.cfg  # SD3.5 / FLUX.2 / Z-Image: CFG; FLUX: embedded guidance, one forward
     final = tmp_path / "lora" / "final"
@@ -217,6 +242,7 @@ def test_jagg_fit_writes_an_adapter_the_family_pipeline_loads(case, twin_dirs, t
             loaded = policy.velocity(z, t, cond)
     assert not torch.allclose(base, expected, rtol=1e-4, atol=1e-5)  # training moved the adapter
     torch.testing.assert_close(loaded, expected, rtol=1e-5, atol=1e-6)
+    assert_pipeline_step_is_the_velocity(case, pipe, policy, z, policy.config.guidance_scale)
 
     fresh = PeftModel.from_pretrained(case.build(0, torch.float32).transformer, str(final / "peft")).base_model.model
     with torch.no_grad(), transformer_of(policy, fresh):

@@ -50,7 +50,9 @@ def twin_dir(tmp_path_factory):
 
 
 def run_pipeline(pipe, latents, guidance, steps, resolution=32, output_type="latent", record=None):
-    """``QwenImagePipeline.__call__`` from given packed latents; ``record`` collects the timesteps it used."""
+    """``QwenImagePipeline.__call__`` from given packed latents at ``resolution`` (a side or (height, width));
+    ``record`` collects the timesteps it used."""
+    height, width = (resolution, resolution) if isinstance(resolution, int) else resolution
 
     def on_step(p, i, t, kwargs):
         if record is not None:
@@ -58,8 +60,8 @@ def run_pipeline(pipe, latents, guidance, steps, resolution=32, output_type="lat
         return {}
 
     return pipe(
-        list(PROMPTS), negative_prompt=" " if guidance > 1 else None, true_cfg_scale=guidance, height=resolution,
-        width=resolution, num_inference_steps=steps, latents=latents.clone(), output_type=output_type,
+        list(PROMPTS), negative_prompt=" " if guidance > 1 else None, true_cfg_scale=guidance, height=height,
+        width=width, num_inference_steps=steps, latents=latents.clone(), output_type=output_type,
         max_sequence_length=16, callback_on_step_end=on_step,
     ).images
 
@@ -106,18 +108,21 @@ def test_twin_round_trips_through_save_and_from_pretrained(twin_dir, rng_seed):
 
 
 # ------------------------------------------------------------------------------- policy vs the pipeline
-@pytest.mark.parametrize("guidance", [1.0, 4.0])
-def test_policy_samples_what_the_pipeline_samples(guidance, rng_seed):
+@pytest.mark.parametrize("guidance,resolution", [(1.0, 32), (4.0, 32), (4.0, [48, 32]), (1.0, [32, 48])],
+                         ids=["cfg_off", "cfg_on", "cfg_on_48x32", "cfg_off_32x48"])
+def test_policy_samples_what_the_pipeline_samples(guidance, resolution, rng_seed):
     """Same packed noise: the policy's Euler ODE on its times and velocity equals the pipeline's denoising loop,
-    and its decode equals the pipeline's image (latent un-normalisation, VAE, postprocess)."""
-    policy = qwen_policy(torch.Generator().manual_seed(rng_seed), guidance_scale=guidance)
+    and its decode equals the pipeline's image (latent un-normalisation, VAE, postprocess) -- square, tall and wide
+    (the RoPE's image shapes and the unpacking take rows and columns apart)."""
+    policy = qwen_policy(torch.Generator().manual_seed(rng_seed), guidance_scale=guidance, resolution=resolution)
     pipe = policy._pipeline  # the same (LoRA-adapted) transformer
     z0 = torch.randn(len(PROMPTS), *policy.latent_shape, generator=torch.Generator().manual_seed(rng_seed))
     ours = policy_ode(policy, z0, 4)
-    theirs = run_pipeline(pipe, z0, guidance, 4)
+    theirs = run_pipeline(pipe, z0, guidance, 4, resolution=resolution)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(policy.decode(ours), run_pipeline(pipe, z0, guidance, 4, output_type="pt"),
-                               rtol=1e-5, atol=1e-5)
+    image = run_pipeline(pipe, z0, guidance, 4, resolution=resolution, output_type="pt")
+    assert image.shape[-2:] == policy.resolution
+    torch.testing.assert_close(policy.decode(ours), image, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("resolution,steps", [(32, 3), (32, 10), (64, 7)])
@@ -175,6 +180,8 @@ def test_gradient_checkpointing_recomputes_blocks_and_keeps_the_gradient(rng_see
 def test_bad_resolution_names_the_field():
     with pytest.raises(ValueError, match="policy.resolution must be a multiple of 4"):
         QwenImagePolicy(qwen_config(resolution=30))
+    with pytest.raises(ValueError, match=r"policy.resolution must be a multiple of 4 per side .*got \[32, 30\]"):
+        QwenImagePolicy(qwen_config(resolution=[32, 30]))
 
 
 # ------------------------------------------------------------------------------ the module and the exports
@@ -226,13 +233,14 @@ def test_detection_picks_qwen_image_for_the_saved_twin(twin_dir):
     assert policy.pipeline_class.__name__ == "QwenImagePipeline"
 
 
-@pytest.mark.parametrize("jagg_frac,window_size", [(0.0, 3), (1.0, 2)], ids=["exact_grpo", "jagg_w2"])
-def test_update_equals_handwritten_per_step_grpo(jagg_frac, window_size, rng_seed):
+@pytest.mark.parametrize("jagg_frac,window_size,resolution", [(0.0, 3, 32), (1.0, 2, 32), (1.0, 2, [48, 32])],
+                         ids=["exact_grpo", "jagg_w2", "jagg_w2_48x32"])
+def test_update_equals_handwritten_per_step_grpo(jagg_frac, window_size, resolution, rng_seed):
     """float64, true CFG on: one training step with jagg_frac 0 (windows of 3, all exact) and with JAGG on W = 2
-    windows (no interior step) is the plain SGD step on the hand-written per-step GRPO gradient."""
+    windows (no interior step) is the plain SGD step on the hand-written per-step GRPO gradient (square and not)."""
     seed, lr = rng_seed % 10_000, 0.5
     module = qwen_module(seed, jagg_frac, window_size, lambda p: torch.optim.SGD(p, lr=lr), {"max_grad_norm": None},
-                         dtype="float64")
+                         dtype="float64", resolution=resolution)
     assert module.policy.guided  # the gradient runs through true CFG and its norm rescale
     reference = copy.deepcopy(module)
     before = [p.detach().clone() for p in module.policy.lora_parameters()]
@@ -263,16 +271,18 @@ def test_jagg_fit_with_the_tiny_qwen_config_writes_an_adapter_the_pipeline_repro
         "--data.prompts_file", str(ROOT / "configs/prompts/tiny.txt"), "--trainer.max_steps", "2",
         "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.callbacks", "[]",
         "--trainer.default_root_dir", str(tmp_path), "--lora_export.dirpath", str(tmp_path / "lora"),
+        "--model.policy.resolution", "[32, 48]",
     ], run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
     policy = cli.model.policy
-    assert type(policy).__name__ == "QwenImagePolicy" and policy.guided
+    assert type(policy).__name__ == "QwenImagePolicy" and policy.guided and policy.resolution == (32, 48)
     final = tmp_path / "lora" / "final"
 
     z0 = torch.randn(len(PROMPTS), *policy.latent_shape, generator=torch.Generator().manual_seed(int(seed)))
     trained = policy_ode(policy, z0, 3)
     pipe = QwenImagePipeline.from_pretrained(twin_dir)
-    base = run_pipeline(pipe, z0, 4.0, 3)
+    base = run_pipeline(pipe, z0, 4.0, 3, resolution=policy.resolution)
     pipe.load_lora_weights(str(final / "diffusers"))
     assert (base - trained).abs().max() > 1e-4  # training moved the adapter: without it the pipeline differs
-    torch.testing.assert_close(run_pipeline(pipe, z0, 4.0, 3), trained, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(run_pipeline(pipe, z0, 4.0, 3, resolution=policy.resolution), trained, rtol=1e-5,
+                               atol=1e-5)

@@ -97,13 +97,20 @@ def test_schedule_is_flow_matching_at_the_flow_shift(twin_dirs, num_steps):
     assert torch.equal(build_policy(config(family="wan"), pipeline=released).schedule(num_steps), at_5.sigmas)
 
 
+# the twin's 32 px x 9 frames, and a wide clip of another length (rows, columns and frames all differ)
+SHAPES = pytest.mark.parametrize("shape", [{}, {"resolution": [32, 48], "num_frames": 5}], ids=["32px_9f", "32x48_5f"])
+
+
 @by_twin
-def test_velocity_is_the_pipelines_at_every_step(twin, rng_seed):
+@SHAPES
+def test_velocity_is_the_pipelines_at_every_step(twin, shape, rng_seed):
     """WanPipeline's own 4-step Euler run (flow-matching scheduler): v_k = (z_{k+1} - z_k) / (t_{k+1} - t_k) is
-    the policy's v(z_k, t_k) -- same UMT5 prompts, layout, timestep, CFG; Wan2.2: the expert and its scale."""
+    the policy's v(z_k, t_k) -- same UMT5 prompts, layout, timestep, CFG; Wan2.2: the expert and its scale; at the
+    twin's size and at a wide clip of 5 frames (its 3-D RoPE)."""
     seed = rng_seed % 10_000
     pipe = build(twin)
-    policy = lora_policy(twin, seed, pipe)
+    policy = lora_policy(twin, seed, pipe, **shape)
+    height, width = policy.resolution
     times = policy.schedule(4)
     if TWINS[twin]:
         assert policy.expert_starts(times) == (1,)  # sigmas 1 | 0.857, 0.6, 0.003 around boundary 0.875
@@ -111,8 +118,8 @@ def test_velocity_is_the_pipelines_at_every_step(twin, rng_seed):
     z = torch.randn(2, *policy.latent_shape, generator=gen)
     seen = [z]
     with torch.no_grad():
-        pipe(prompt=list(PROMPTS), num_inference_steps=4, latents=z.clone(), height=32, width=32, num_frames=9,
-             guidance_scale=5.0, guidance_scale_2=3.0 if TWINS[twin] else None, output_type="latent",
+        pipe(prompt=list(PROMPTS), num_inference_steps=4, latents=z.clone(), height=height, width=width,
+             num_frames=policy.num_frames, guidance_scale=5.0, guidance_scale_2=3.0 if TWINS[twin] else None, output_type="latent",
              max_sequence_length=8, callback_on_step_end=lambda p, i, t, kw: seen.append(kw["latents"].clone()) or {})
         cond = policy.encode_prompts(PROMPTS)
         for k in range(4):
@@ -120,6 +127,9 @@ def test_velocity_is_the_pipelines_at_every_step(twin, rng_seed):
             implied = (seen[k + 1] - seen[k]) / (times[k + 1] - times[k])
             assert v.abs().mean() > 0
             torch.testing.assert_close(v, implied, rtol=1e-4, atol=2e-5)
+        video = pipe(prompt=list(PROMPTS), num_inference_steps=1, latents=z.clone(), height=height, width=width,
+                     num_frames=policy.num_frames, output_type="pt", max_sequence_length=8).frames
+    assert policy.decode(z).shape == video.shape == (2, policy.num_frames, 3, height, width)
 
 
 def test_mixed_expert_batch_routes_each_sample_and_trains_both(rng_seed):
@@ -160,12 +170,15 @@ def test_first_update_ratio_is_one_with_cfg(twin, twin_dirs, rng_seed):
 
 
 @by_twin
-@pytest.mark.parametrize("jagg_frac,window_size", [(0.0, 3), (1.0, 2)], ids=["exact_grpo", "jagg_w2"])
-def test_update_equals_handwritten_per_step_grpo(twin, twin_dirs, jagg_frac, window_size, rng_seed):
-    """float64, CFG on: jagg_frac 0 and JAGG on W = 2 windows give the per-step GRPO step (< 1e-10)."""
+@pytest.mark.parametrize("jagg_frac,window_size,shape", [(0.0, 3, None), (1.0, 2, None),
+                                                         (1.0, 2, {"resolution": [32, 48], "num_frames": 5})],
+                         ids=["exact_grpo", "jagg_w2", "jagg_w2_32x48_5f"])
+def test_update_equals_handwritten_per_step_grpo(twin, twin_dirs, jagg_frac, window_size, shape, rng_seed):
+    """float64, CFG on: jagg_frac 0 and JAGG on W = 2 windows give the per-step GRPO step (< 1e-10); also on a
+    wide clip of 5 frames."""
     seed, lr = rng_seed % 10_000, 0.5
     module = module_for(twin, twin_dirs[twin], seed, dtype="float64", jagg_frac=jagg_frac, window_size=window_size,
-                        optimizer=lambda p: torch.optim.SGD(p, lr=lr), max_grad_norm=None)
+                        optimizer=lambda p: torch.optim.SGD(p, lr=lr), max_grad_norm=None, shape=shape)
     reference = copy.deepcopy(module)
     before = [p.detach().clone() for p in module.policy.lora_parameters()]
     fit(module)
@@ -233,10 +246,10 @@ def test_jagg_fit_writes_adapters_wan_pipeline_loads(twin, twin_dirs, tmp_path, 
     seed = str(rng_seed % 10_000)
     tiny = "configs/wan22_tiny.yaml" if TWINS[twin] else "configs/wan_tiny.yaml"
     args = tiny_fit_args(ROOT / tiny, seed, twin_dirs[twin], tmp_path)
-    cli = cli_main(args, run=False)
+    cli = cli_main([*args, "--model.policy.resolution", "[32, 48]", "--model.policy.num_frames", "5"], run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
     policy, final = cli.model.policy, tmp_path / "lora" / "final"
-    assert policy.family == "wan" and policy.guided
+    assert policy.family == "wan" and policy.guided and policy.latent_shape == (4, 2, 4, 6)
 
     gen = torch.Generator().manual_seed(int(seed))
     z, t = torch.randn(2, *policy.latent_shape, generator=gen), torch.tensor([0.95, 0.3])
@@ -283,24 +296,26 @@ def test_gradient_checkpointing_keeps_both_experts_gradients(rng_seed):
 
 def test_sample_videos_and_predictions_are_gifs(twin_dirs, tmp_path, rng_seed):
     """SampleImages writes the adapter off | on grid of a video family as an animated GIF (also to TensorBoard);
-    `jagg predict`'s writer writes one GIF per video."""
+    `jagg predict`'s writer writes one GIF per video; both at the clip's true aspect (a wide 32 x 48 clip)."""
     from lightning.pytorch.loggers import TensorBoardLogger
     from PIL import Image
 
     from jagg_lightning.callbacks import SampleImages
     from jagg_lightning.callbacks.predictions import PredictionImages
 
-    module = module_for("wan21", twin_dirs["wan21"], rng_seed % 10_000)
+    module = module_for("wan21", twin_dirs["wan21"], rng_seed % 10_000, shape={"resolution": [32, 48]})
     samples = SampleImages(prompts=PROMPTS, every_n_steps=1, num_steps=2, dirpath=str(tmp_path / "samples"))
     trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=TensorBoardLogger(str(tmp_path / "tb")),
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[samples, PredictionImages(str(tmp_path / "pred"))])
     trainer.fit(module, PromptDataModule(prompts=PROMPTS, batch_size=2, shuffle=False))
     gif = Image.open(samples.written[0])
-    assert samples.last_grid.shape == (9, 64, 64, 3)  # 9 frames of 2 prompts x off|on at 32 px
+    assert samples.last_grid.shape == (9, 64, 96, 3)  # 9 frames of 2 prompts x off|on at 32 x 48 px
     assert samples.written[0].suffix == ".gif" and gif.n_frames == 9 and min(gif.size) > 64  # upscaled, labelled
+    assert gif.size[0] > 96 * 3 and gif.size[1] > 64 * 3  # (width, height): upscaled x 3, the aspect kept
     assert any(p.name.startswith("events") for p in (tmp_path / "tb").rglob("*"))
     trainer.predict(module, PromptDataModule(prompts=PROMPTS, predict_prompts=PROMPTS, batch_size=2, shuffle=False),
                     return_predictions=False)
     written = sorted((tmp_path / "pred").glob("*.gif"))
     assert len(written) == 2 * module.evaluation.samples_per_prompt and Image.open(written[0]).n_frames == 9
+    assert Image.open(written[0]).size == (48, 32)  # one video at its own size, width x height

@@ -48,7 +48,8 @@ def test_schedule_equals_the_pipeline_scheduler(num_steps, shift):
     policy = SD3Policy(tiny_policy_config(), pipeline=build_tiny_sd3_pipeline(0))
     if shift is not None:  # a static shift override acts like a pipeline whose scheduler has that shift
         pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, shift=shift)
-    pipe(["a cat"], num_inference_steps=num_steps, height=policy.resolution, width=policy.resolution,
+    height, width = policy.resolution
+    pipe(["a cat"], num_inference_steps=num_steps, height=height, width=width,
          guidance_scale=1.0, output_type="latent", max_sequence_length=4)
     times = policy.schedule(num_steps, shift)
     assert times.dtype == torch.float32 and times.shape == (num_steps + 1,)
@@ -104,9 +105,13 @@ def test_a_resolution_the_family_cannot_take_is_refused_before_any_model_is_buil
     multiple = 2 * (getattr(pipeline, "vae_scale_factor_spatial", None) or pipeline.vae_scale_factor)
     k, off = (int(v) for v in (torch.randint(1, 64, (1,), generator=rng), torch.randint(1, multiple, (1,), generator=rng)))
     bad = multiple * k + off
-    message = rf"policy\.resolution must be a multiple of {multiple} .*got {bad}"
+    message = rf"policy\.resolution must be a multiple of {multiple} per side .*got {bad}"
     with pytest.raises(ValueError, match=message):
         check_policy(PolicyConfig(pretrained=str(tmp_path), resolution=bad))
     check_policy(PolicyConfig(pretrained=str(tmp_path), resolution=multiple * k))  # a good one passes the check
+    check_policy(PolicyConfig(pretrained=str(tmp_path), resolution=[multiple * k, multiple]))  # and a good pair
     with pytest.raises(ValueError, match=message):  # the build's own check (a hub id is only checked there)
         build_policy(tiny_policy_config(resolution=bad, family=family, lora_targets=None), pipeline=pipeline)
+    pair = rf"policy\.resolution must be a multiple of {multiple} per side .*got \[{multiple * k}, {bad}\]"
+    with pytest.raises(ValueError, match=pair):  # one bad side of [height, width] is enough: the width here
+        check_policy(PolicyConfig(pretrained=str(tmp_path), resolution=[multiple * k, bad]))

@@ -73,8 +73,8 @@ PROMPTS = ["a red cat", "a blue dog"]
 
 
 def module_for(case, path, seed, guidance=None, dtype="float32", jagg_frac=0.5, window_size=2, optimizer=None,
-               **grpo):
-    policy = case.config(pretrained=str(path), dtype=dtype,
+               resolution=None, **grpo):
+    policy = case.config(pretrained=str(path), dtype=dtype, resolution=resolution,
                          guidance_scale=case.guidance[0] if guidance is None else guidance)
     module = JAGGModule(
         policy, SamplingConfig(num_steps=4, group_size=2, rollout_batch_size=4),

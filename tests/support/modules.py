@@ -12,8 +12,8 @@ PROMPTS = ["a red cat", "a blue dog", "a green tree", "a yellow sun"]
 
 
 def make_module(seed, dtype="float32", jagg_frac=0.5, lr=1e-3, optimizer=None, rollout_batch_size=4, jagg=None,
-                ema_decay=None, **grpo):
-    policy = tiny_policy_config(dtype=dtype)
+                ema_decay=None, resolution=None, **grpo):
+    policy = tiny_policy_config(dtype=dtype, resolution=resolution)
     module = JAGGModule(
         policy,
         SamplingConfig(num_steps=8, group_size=3, rollout_batch_size=rollout_batch_size),

@@ -94,26 +94,28 @@ def test_spearman():
 
 
 def test_sample_images_grid_adapter_off_and_on(tmp_path, rng_seed):
-    module = make_module(rng_seed % 10_000, lr=5e-2)
+    """At a non-square size: each cell at the images' true aspect (height x width), rows = prompts."""
+    module = make_module(rng_seed % 10_000, lr=5e-2, resolution=[32, 48])
     samples = SampleImages(prompts=["a cat", "a dog", "a tree"], every_n_steps=2, dirpath=str(tmp_path / "s"))
     fit(module, 3, [samples], logger=TensorBoardLogger(tmp_path), root=tmp_path)
     assert [p.name for p in samples.written] == ["step_000002.png", "step_000003.png"]
-    side = module.policy.resolution
+    height, width = module.policy.resolution
+    assert (height, width) == (32, 48)
     grid = torch.from_numpy(samples.last_grid).float()  # the unlabelled grid at native size
-    assert grid.shape[:2] == (3 * side, 2 * side)
+    assert grid.shape[:2] == (3 * height, 2 * width)
     with Image.open(samples.written[-1]) as img:  # what is written: upscaled (nearest) and labelled
         written = np.asarray(img.convert("RGB"))
-    scale = -(-96 // side)
-    assert written.shape[0] > 3 * side * scale and written.shape[1] > 2 * side * scale
+    scale = -(-96 // height)
+    assert written.shape[0] > 3 * height * scale and written.shape[1] > 2 * width * scale
     rows, cols = written.shape[0], written.shape[1]  # the images sit at the bottom right, whole
-    assert np.array_equal(written[rows - 3 * side * scale:: scale, cols - 2 * side * scale:: scale],
+    assert np.array_equal(written[rows - 3 * height * scale:: scale, cols - 2 * width * scale:: scale],
                           samples.last_grid)
-    off, on = grid[:, :side], grid[:, side:]
+    off, on = grid[:, :width], grid[:, width:]
     assert (off - on).abs().mean() > 0.5  # the trained adapter changes the image
     # the off column is the base model: an untrained module with the same base draws the same images
-    fresh = torch.from_numpy(samples.sample(make_module(rng_seed % 10_000))).float()
-    assert torch.equal(fresh[:, :side], off)
-    assert not torch.equal(fresh[:, side:], on)
+    fresh = torch.from_numpy(samples.sample(make_module(rng_seed % 10_000, resolution=[32, 48]))).float()
+    assert torch.equal(fresh[:, :width], off)
+    assert not torch.equal(fresh[:, width:], on)
     assert list(tmp_path.glob("lightning_logs/version_0/events.out.tfevents.*"))
 
 

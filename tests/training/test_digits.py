@@ -224,7 +224,7 @@ def test_digit_accuracy_logs_what_it_measures_with_the_judge(tmp_path, rng_seed)
 def test_shipped_pipeline_loads_through_policy_config_and_beats_chance(digits_module, reward, rng_seed):
     policy = digits_module.policy
     assert policy.config.pretrained == str(PIPELINE_DIR) and PIPELINE_DIR.is_dir()
-    assert policy.latent_shape == (4, 8, 8) and policy.resolution == 32
+    assert policy.latent_shape == (4, 8, 8) and policy.resolution == (32, 32)
     result = heldout_accuracy(digits_module, reward, samples_per_prompt=2, seed=rng_seed % 100_000, adapter=False)
     print(f"base held-out accuracy {result['accuracy']:.3f} per digit {result['per_digit']}")
     assert result["accuracy"] >= CHANCE + MARGIN
