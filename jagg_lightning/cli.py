@@ -34,6 +34,7 @@ from jagg_lightning.cli_errors import (
 )
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.checks import PolicyBuildError, check_precision
+from jagg_lightning.context_parallel import ContextParallelError
 from jagg_lightning.module import JAGGModule
 from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.state import CheckpointMismatchError
@@ -207,6 +208,8 @@ def cli_main(args=None, run: bool = True) -> JAGGCLI:
             auto_configure_optimizers=False,  # the module's own model.optimizer sees only the LoRA parameters
         )
     except PolicyBuildError as err:  # found while the model is built (LoRA targets, adapter)
+        fail(str(err))
+    except ContextParallelError as err:  # found when context parallelism meets the built model
         fail(str(err))
     except CheckpointMismatchError as err:  # found when the checkpoint meets the built model
         fail(f"ckpt_path {err.ckpt_path}: {err}")

@@ -72,6 +72,9 @@ def explain_parse_error(message: str, argv: list[str], known: set[str]) -> str:
         text = f"{where}: " if where else ""
         text += f"{key} is not a setting"
         return text + (f"; did you mean {close[0]}?" if close else " (jagg fit --print_config lists every setting)")
+    own = re.search(r"(trainer\.strategy\.\w+ must [^;]*)", message)  # a strategy's own check, inside a Union error
+    if own:
+        return own.group(1)
     bad = re.search(r'Parser key "([\w.]+)":\s*(.*)', message, re.S)
     if bad:
         return f"{bad.group(1)}: " + re.sub(r"<class '(\w+)'>", r"\1", one_line(bad.group(2)))

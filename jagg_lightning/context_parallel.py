@@ -32,6 +32,12 @@ import torch.distributed as dist
 from torch import nn
 
 ContextKind = Literal["ulysses", "ring"]
+
+
+class ContextParallelError(ValueError):
+    """A setting context parallelism cannot run, found once the model exists (the CLI prints its one line)."""
+
+
 KINDS = ("ulysses", "ring")
 
 # what a split tensor's length comes from, for the message of a sequence that does not divide
@@ -96,16 +102,18 @@ class ContextParallel:
                 continue
             plan = getattr(type(network), "_cp_plan", None)
             if plan is None:
-                raise ValueError(f"trainer.strategy.context_parallel_size {self.size}: the {family!r} family's "
-                                 f"{type(network).__name__} has no context-parallel plan (_cp_plan) in diffusers; "
-                                 "use context_parallel_size 1 (data parallelism only)")
+                raise ContextParallelError(
+                    f"trainer.strategy.context_parallel_size {self.size}: the {family!r} family's "
+                    f"{type(network).__name__} has no context-parallel plan (_cp_plan) in diffusers; "
+                    "use context_parallel_size 1 (data parallelism only)")
             heads = getattr(network.config, "num_attention_heads", None)
             if self.kind == "ulysses" and heads is not None and heads % self.size:
-                raise ValueError(f"trainer.strategy.context_parallel_size {self.size}: Ulysses splits the "
-                                 f"{heads} attention heads of {type(network).__name__}, which do not divide by it "
-                                 "(use context_parallel_kind ring)")
+                raise ContextParallelError(
+                    f"trainer.strategy.context_parallel_size {self.size}: Ulysses splits the {heads} attention heads "
+                    f"of {type(network).__name__}, which do not divide by it (use context_parallel_kind ring)")
             if self.attention_backend is not None:
                 network.set_attention_backend(self.attention_backend)
+            self._check_backend()
             config = self.parallel_config()
             _resolve_on(network, config, self.device)
             network.enable_parallelism(config=config)
@@ -114,12 +122,25 @@ class ContextParallel:
             self.applied.append(network)
 
 
+    def _check_backend(self) -> None:
+        """Ring attention merges blocks by their log-sum-exp, which diffusers' native SDPA backend does not return."""
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+        active = _AttentionBackendRegistry.get_active_backend()[0]
+        backend = self.attention_backend or getattr(active, "value", active)
+        if self.kind == "ring" and backend == "native":
+            raise ContextParallelError(
+                "trainer.strategy.context_parallel_kind ring needs an attention backend that returns the "
+                "log-sum-exp (diffusers' native SDPA does not): set trainer.strategy.attention_backend to "
+                "_native_cudnn, _native_flash or flash (GPU), or use context_parallel_kind ulysses")
+
+
 def build(size: int, kind: ContextKind, device: torch.device, attention_backend: str | None = None) -> ContextParallel:
     """The mesh of the initialised process group: ``(world / size, ring, ulysses)``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    check_context_options(size, kind, world)
+    check_context_options(size, kind, world)  # a ValueError: the strategy's setup_environment, before any model
     shape = (world // size, size, 1) if kind == "ring" else (world // size, 1, size)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("data", "ring", "ulysses"))
     return ContextParallel(size, kind, mesh, device, attention_backend)
@@ -175,9 +196,9 @@ def _split_check(inputs: dict, size: int, owner: str):
             length = value.shape[spec.split_dim]
             if length % size:
                 where = _SEQUENCE_FIELDS.get(key, _IMAGE_FIELDS)
-                raise ValueError(f"{where}: {owner}'s {key} has {length} tokens, which do not split into "
-                                 f"trainer.strategy.context_parallel_size {size} equal parts; choose a size that "
-                                 "makes them divide")
+                raise ContextParallelError(
+                    f"{where}: {owner}'s {key} has {length} tokens, which do not split into "
+                    f"trainer.strategy.context_parallel_size {size} equal parts; choose a size that makes them divide")
         return None
 
     return hook
