@@ -100,7 +100,7 @@ class ContextParallel:
         for network in networks:
             if any(network is done for done in self.applied):
                 continue
-            plan = getattr(type(network), "_cp_plan", None)
+            plan = _plan_for(network)
             if plan is None:
                 raise ContextParallelError(
                     f"trainer.strategy.context_parallel_size {self.size}: the {family!r} family's "
@@ -116,7 +116,7 @@ class ContextParallel:
             self._check_backend()
             config = self.parallel_config()
             _resolve_on(network, config, self.device)
-            network.enable_parallelism(config=config)
+            network.enable_parallelism(config=config, cp_plan=plan)
             del network._resolve_parallel_config  # the instance's override (the class method again)
             _check_splits(network, plan, self.size)
             self.applied.append(network)
@@ -144,6 +144,19 @@ def build(size: int, kind: ContextKind, device: torch.device, attention_backend:
     shape = (world // size, size, 1) if kind == "ring" else (world // size, 1, size)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("data", "ring", "ulysses"))
     return ContextParallel(size, kind, mesh, device, attention_backend)
+
+
+def _plan_for(network: nn.Module) -> dict | None:
+    """The network class's ``_cp_plan``, where the policy's inputs differ from it adapted: FLUX.2's plan splits
+    ``[1, seq, 4]`` position ids (``expected_dims=3``) and skips any other rank silently, while the policy passes them
+    ``[seq, 4]`` as the transformer also accepts -- unsplit ids then meet a split sequence; split them along dim 0."""
+    plan = getattr(type(network), "_cp_plan", None)
+    if plan is not None and type(network).__name__ == "Flux2Transformer2DModel":
+        from diffusers.models._modeling_parallel import ContextParallelInput
+
+        ids = ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)
+        plan = dict(plan) | {"": dict(plan[""]) | {"img_ids": ids, "txt_ids": ids}}
+    return plan
 
 
 def _resolve_on(network: nn.Module, config, device: torch.device) -> None:

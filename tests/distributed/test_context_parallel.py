@@ -31,6 +31,7 @@ FAMILIES = {  # preset, the policy and the reward at twin scale in float64
     "wan": ("wan_tiny.yaml", {"dtype": "float64", "resolution": 32, "num_frames": 9},  # 3 x 2 x 2 = 12 tokens
             {"class_path": "jagg_lightning.rewards.FrameReward", "init_args": {"reward": FLOAT64_JPEG, "frames": 3}}),
     "flux": ("flux_tiny.yaml", {"dtype": "float64"}, FLOAT64_JPEG),  # 4 image + 8 text tokens
+    "flux2": ("flux2_tiny.yaml", {"dtype": "float64"}, FLOAT64_JPEG),
 }
 # name -> (family, strategy, model overrides, with evaluation)
 CASES_2 = {
@@ -38,6 +39,7 @@ CASES_2 = {
     "wan-fused-ddp": ("wan", DDP, {"jagg": {"jagg_frac": 1.0, "fused_rollout": True}, "grpo": {"adv_std": "group"}}, False),
     "flux-routed-ddp": ("flux", DDP, {"jagg": {"jagg_frac": 0.5}}, False),
     "flux-fused-ddp": ("flux", DDP, {"jagg": {"jagg_frac": 1.0, "fused_rollout": True}, "grpo": {"adv_std": "group"}}, False),
+    "flux2-routed-ddp": ("flux2", DDP, {"jagg": {"jagg_frac": 0.5}}, False),  # our plan: [seq, 4] position ids
 }
 CASES_4 = {
     "wan-routed-ddp": ("wan", DDP, {"jagg": {"jagg_frac": 0.5}}, False),
