@@ -31,6 +31,7 @@ from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.callbacks.progress import StepProgressBar
 from jagg_lightning.cli_errors import (
     as_user_field, check_checkpoint_file, check_trainer, command_line_keys, explain_parse_error, flat_keys, one_line,
+    strategy_error,
 )
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.checks import PolicyBuildError, check_precision
@@ -189,7 +190,7 @@ class JAGGCLI(LightningCLI):
 
 def fail(message: str) -> None:
     """One ``jagg: error:`` line (the field as the user wrote it), exit status 2."""
-    print(f"jagg: error: {one_line(as_user_field(message))}", file=sys.stderr)
+    print(f"jagg: error: {strategy_error(message) or one_line(as_user_field(message))}", file=sys.stderr)
     raise SystemExit(2)
 
 
