@@ -16,6 +16,17 @@ update are printed, with the backward / forward passes the engine counted.
     python benchmarks/gpu_update.py --full            # every weight trained (fp32 masters, bf16 autocast)
     python benchmarks/gpu_update.py --model wan21_1_3b --gradient-checkpointing   # video: Wan2.1-T2V-1.3B
     python benchmarks/gpu_update.py --model wan21_1_3b --tiny                     # its code path on a CPU
+    torchrun --nproc_per_node 2 benchmarks/gpu_update.py --model wan21_1_3b --context-parallel 2 \
+        --context-kind ring --attention-backend _native_cudnn                     # context parallel, 2 GPUs
+    torchrun --nproc_per_node 2 benchmarks/gpu_update.py --model wan21_1_3b --tiny --context-parallel 2  # CPU
+
+``--context-parallel C`` (under ``torchrun --nproc_per_node C``, one GPU per rank): the transformer runs under
+diffusers' context parallelism (``jagg_lightning.context_parallel``; ``--context-kind`` ulysses or ring, ring needing
+an attention backend that returns the log-sum-exp: ``--attention-backend _native_cudnn``, ``_native_flash`` or
+``flash``). Every rank holds the same rollout (the same seeds); the update's gradients are summed over the context
+ranks inside the timed region (the one all-reduce a training step makes). Before the table, rank 0 prints the
+relative error of one velocity and of its LoRA gradient under context parallelism against the same model without it.
+SD3.5 has no ``_cp_plan`` in diffusers and is refused.
 
 ``--model wan21_1_3b``: a random-weight ``WanTransformer3DModel`` with Wan2.1-T2V-1.3B's configuration (1.4 B
 parameters, 30 blocks of width 1536), bf16, a float32 LoRA (r 64, configs/wan21_t2v_1_3b.yaml) on the family's
@@ -37,6 +48,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 from jagg_lightning.grpo import StepRecord, step_loss
 from jagg_lightning.jagg import accumulate_gradients, plan_windows
@@ -126,10 +138,27 @@ def main() -> None:
                         "autocast on a GPU) instead of the LoRA: policy.trainable full")
     parser.add_argument("--cfg", type=float, default=1.0, help="CFG scale (> 1: conditional and unconditional "
                         "rows in one forward, as SD3's pipeline and the sd35_medium preset)")
+    parser.add_argument("--context-parallel", type=int, default=1, help="context degree C (run under torchrun "
+                        "--nproc_per_node C): the sequence of every forward split over C ranks")
+    parser.add_argument("--context-kind", choices=["ulysses", "ring"], default="ulysses")
+    parser.add_argument("--attention-backend", help="diffusers attention backend (ring: _native_cudnn, _native_flash "
+                        "or flash; the native SDPA returns no log-sum-exp)")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
+    context = None
+    if args.context_parallel > 1:
+        import os
+
+        dist.init_process_group("nccl" if cuda else "gloo")
+        if cuda:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        from jagg_lightning.context_parallel import build
+
+        context = build(args.context_parallel, args.context_kind, device, args.attention_backend)
+    say = print if context is None or dist.get_rank() == 0 else (lambda *a, **k: None)
     dtype = torch.bfloat16 if cuda else torch.float32
     if not cuda:
         torch.set_num_threads(1)  # CPU: one thread, so wall and CPU time compare
@@ -145,11 +174,11 @@ def main() -> None:
                                     args.full, model["cls"], model["targets"])
     params = [p for p in transformer.parameters() if p.requires_grad]
     total = sum(p.numel() for p in transformer.parameters())
-    print(f"transformer {total / 1e6:.1f} M parameters ({sum(p.numel() for p in params) / 1e6:.2f} M {'trained in full' if args.full else 'LoRA'}), "
+    say(f"transformer {total / 1e6:.1f} M parameters ({sum(p.numel() for p in params) / 1e6:.2f} M {'trained in full' if args.full else 'LoRA'}), "
           f"{dtype}, {device}{' ' + torch.cuda.get_device_name() if cuda else ''}, torch {torch.__version__}, "
           f"gradient checkpointing {args.gradient_checkpointing}, low memory {args.low_memory}, "
           f"{args.samples} samples per update, W = {args.window}, CFG {args.cfg}, median of {args.repeats}, "
-          f"{args.model}")
+          f"{args.model}, context parallel {args.context_parallel} ({args.context_kind})")
 
     gen = torch.Generator().manual_seed(0)
     n = args.samples
@@ -183,9 +212,37 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
 
+    def sum_over_context():  # each context rank's gradient is partial: the true one is their sum
+        if context is not None:
+            flat = torch.cat([p.grad.flatten() for p in params])
+            dist.all_reduce(flat)
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p.grad.copy_(g.view_as(p))
+
+    if context is not None:  # one velocity and its gradient, without and with context parallelism
+        latent0 = (model["tiny_settings" if args.tiny else "settings"])[0][1]
+        z = torch.randn(1, *latent0, generator=gen).to(device)
+        t, weight = torch.full((1,), 0.7, device=device), torch.randn(1, *latent0, generator=gen).to(device)
+        errors = []
+        for enabled in (False, True):
+            if enabled:
+                context.apply([transformer], "wan" if video else "sd3")
+            v = velocity(z, t, tuple(c[:1] for c in cond)).float()
+            grads = torch.autograd.grad((v * weight).sum(), params)
+            if enabled:
+                flat = torch.cat([g.flatten() for g in grads])
+                dist.all_reduce(flat)
+                errors = [float((v.detach() - errors[0]).norm() / errors[0].norm()),
+                          float((flat - errors[1]).norm() / errors[1].norm())]
+            else:
+                errors = [v.detach(), torch.cat([g.flatten() for g in grads])]
+        say(f"context parallel {args.context_parallel} ({args.context_kind}, backend {args.attention_backend or 'native'}) "
+            f"vs none: velocity relative error {errors[0]:.2e}, LoRA gradient (summed over the context ranks) "
+            f"{errors[1]:.2e}")
+
     header = (f"{'setting':22s} {'configuration':10s} {'update s':>9s} {'cpu s':>7s} {'vs exact':>8s} "
               f"{'peak GiB':>9s} {'backward':>8s} {'grad fwd':>8s} {'nograd fwd':>10s}")
-    print(header)
+    say(header)
     for name, latent, steps in model["tiny_settings" if args.tiny else "settings"]:
         times = flow_match_sigmas(steps, 3.0).to(device)
         gens = sample_generators(0, 0, range(n // 2), 2)
@@ -220,6 +277,7 @@ def main() -> None:
                     p.grad = None
                 torch.cuda.empty_cache()
                 return None
+            sum_over_context()
             sync()
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
@@ -236,15 +294,17 @@ def main() -> None:
         base = statistics.median(r[0] for r in results["exact"]) if fits["exact"] else float("nan")
         for c, rs in results.items():
             if not fits[c]:
-                print(f"{name:22s} {c:10s} {'OOM':>9s}")
+                say(f"{name:22s} {c:10s} {'OOM':>9s}")
                 continue
             wall = statistics.median(r[0] for r in rs)
             cpu = statistics.median(r[1] for r in rs)
             peak = max(r[2] for r in rs)
             b, g, f = rs[-1][3]
             peak = f"{peak:9.2f}" if cuda else f"{'-':>9s}"
-            print(f"{name:22s} {c:10s} {wall:9.3f} {cpu:7.2f} {wall / base:8.2f} {peak} {b:8d} {g:8d} {f:10d}")
+            say(f"{name:22s} {c:10s} {wall:9.3f} {cpu:7.2f} {wall / base:8.2f} {peak} {b:8d} {g:8d} {f:10d}")
         del traj
+    if context is not None:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

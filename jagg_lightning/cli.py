@@ -31,9 +31,11 @@ from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.callbacks.progress import StepProgressBar
 from jagg_lightning.cli_errors import (
     as_user_field, check_checkpoint_file, check_trainer, command_line_keys, explain_parse_error, flat_keys, one_line,
+    strategy_error,
 )
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.checks import PolicyBuildError, check_precision
+from jagg_lightning.context_parallel import ContextParallelError
 from jagg_lightning.module import JAGGModule
 from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.state import CheckpointMismatchError
@@ -188,7 +190,7 @@ class JAGGCLI(LightningCLI):
 
 def fail(message: str) -> None:
     """One ``jagg: error:`` line (the field as the user wrote it), exit status 2."""
-    print(f"jagg: error: {one_line(as_user_field(message))}", file=sys.stderr)
+    print(f"jagg: error: {strategy_error(message) or one_line(as_user_field(message))}", file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -207,6 +209,8 @@ def cli_main(args=None, run: bool = True) -> JAGGCLI:
             auto_configure_optimizers=False,  # the module's own model.optimizer sees only the LoRA parameters
         )
     except PolicyBuildError as err:  # found while the model is built (LoRA targets, adapter)
+        fail(str(err))
+    except ContextParallelError as err:  # found when context parallelism meets the built model
         fail(str(err))
     except CheckpointMismatchError as err:  # found when the checkpoint meets the built model
         fail(f"ckpt_path {err.ckpt_path}: {err}")

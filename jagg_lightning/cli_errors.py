@@ -60,6 +60,17 @@ def where_in_files(key: str, files: list[str]) -> str | None:
     return None
 
 
+def strategy_error(message: str) -> str | None:
+    """The one fact inside jsonargparse's "Does not validate against any of the Union subtypes" about a
+    ``trainer.strategy`` class: the strategy's own check, or the strategy field whose value is refused."""
+    message = one_line(message)
+    own = re.search(r"(trainer\.strategy\.\w+ must [^;]*)", message)
+    if own:
+        return own.group(1)
+    field = re.search(r"trainer\.strategy: .*?Parser key \"(\w+)\":;?\s*(Expected [^;]*)", message)
+    return f"trainer.strategy.{field.group(1)}: {field.group(2)}" if field else None
+
+
 def explain_parse_error(message: str, argv: list[str], known: set[str]) -> str:
     """One line for a jsonargparse error: the unknown key with a suggestion and its file, or the bad value."""
     unknown = re.search(r"does not accept option '([\w.]+)'|unrecognized arguments: --([\w.]+)"
@@ -72,6 +83,9 @@ def explain_parse_error(message: str, argv: list[str], known: set[str]) -> str:
         text = f"{where}: " if where else ""
         text += f"{key} is not a setting"
         return text + (f"; did you mean {close[0]}?" if close else " (jagg fit --print_config lists every setting)")
+    strategy = strategy_error(message)
+    if strategy:
+        return strategy
     bad = re.search(r'Parser key "([\w.]+)":\s*(.*)', message, re.S)
     if bad:
         return f"{bad.group(1)}: " + re.sub(r"<class '(\w+)'>", r"\1", one_line(bad.group(2)))

@@ -4,6 +4,11 @@ count, the local backward and the ONE gradient all-reduce per optimizer update.
 :class:`Collectives` wraps the Trainer the module is attached to (``None`` outside a Trainer: one process,
 every collective the identity). The strategy's model is looked up at call time: DDP wraps the module only
 after the setup hooks have run.
+
+Under context parallelism (the strategy's ``context_parallel``: :mod:`jagg_lightning.context_parallel`) the C
+context ranks of a data rank hold the same samples: sums and means over samples go over the data group (one process
+per data rank), and the gradient all-reduce over every process divides by the D data ranks, not by W = D * C (each
+context rank's gradient is partial: their sum is the data rank's).
 """
 
 from __future__ import annotations
@@ -44,6 +49,17 @@ class Collectives:
     def world_size(self) -> int:
         return 1 if self.trainer is None else self.trainer.world_size
 
+    @property
+    def context(self):
+        """The strategy's ``ContextParallel`` (None without context parallelism)."""
+        return getattr(self.trainer.strategy, "context_parallel", None) if self.trainer is not None else None
+
+    @property
+    def data_size(self) -> int:
+        """The data-parallel processes: the world, or its data ranks under context parallelism."""
+        context = self.context
+        return self.world_size if context is None else context.data_size
+
     def ddp_model(self) -> DistributedDataParallel | None:
         model = self.trainer.strategy.model if self.trainer is not None else None
         return model if isinstance(model, DistributedDataParallel) else None
@@ -56,15 +72,18 @@ class Collectives:
 
     def sum(self, tensor: Tensor) -> Tensor:
         """Sum over the data-parallel processes, in place (one collective; identity on one process)."""
-        if self.trainer is None or self.trainer.world_size == 1 or not dist.is_initialized():
+        if self.data_size == 1 or not dist.is_initialized():
             return tensor
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        context = self.context
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=None if context is None else context.data_group)
         return tensor
 
     def mean(self, tensor: Tensor) -> Tensor:
-        """Mean over the processes (the strategy's reduce; identity outside a Trainer)."""
+        """Mean over the data-parallel processes (the strategy's reduce; identity outside a Trainer)."""
         if self.trainer is None:
             return tensor
+        if self.context is not None:
+            return self.sum(tensor.clone()).div_(self.data_size)
         return self.trainer.strategy.reduce(tensor, reduce_op="mean")
 
     def max_count_if_sharded(self, count: Tensor) -> Tensor:
@@ -77,12 +96,14 @@ class Collectives:
 
     def all_reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Under DDP: average the gradients of ``params`` over the processes with ONE all-reduce of their flat
-        concatenation (a parameter without a gradient contributes zeros, so every rank sends the same size)."""
+        concatenation (a parameter without a gradient contributes zeros, so every rank sends the same size); under
+        context parallelism the same all-reduce over every process, divided by the data ranks."""
         if self.ddp_model() is None:
             return
         dtype = compute_dtype(*params)
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().to(dtype) for p in params])
-        self.sum(flat).div_(self.trainer.world_size)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat.div_(self.data_size)
         for p, g in zip(params, flat.split([p.numel() for p in params])):
             p.grad = g.view_as(p).to(p.dtype)
         self.gradient_all_reduces += 1

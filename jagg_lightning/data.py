@@ -77,6 +77,16 @@ class PromptDataset(Dataset):
         return {"prompt": self.prompts[i], "index": i}
 
 
+def data_ranks(trainer=None) -> tuple[int, int]:
+    """(data-parallel processes, this one's index): the strategy's ``distributed_sampler_kwargs`` (under context
+    parallelism the context ranks of one data rank share it, so they draw the same prompts), else every process."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
+    if kwargs:
+        return int(kwargs["num_replicas"]), int(kwargs["rank"])
+    distributed = dist.is_available() and dist.is_initialized()
+    return (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+
+
 class EpochSampler(DistributedSampler):
     """Order of epoch e: a permutation seeded by (seed, e) (or 0..n-1), dealt round-robin to the ranks;
     it can resume mid-epoch.
@@ -86,11 +96,10 @@ class EpochSampler(DistributedSampler):
     prompt indices -- which seed the rollout noise -- do not depend on the number of processes.
     """
 
-    def __init__(self, size: int, shuffle: bool, seed: int):
-        distributed = dist.is_available() and dist.is_initialized()
-        world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    def __init__(self, size: int, shuffle: bool, seed: int, replicas: tuple[int, int] | None = None):
+        world, rank = replicas or data_ranks()
         if size < world:
-            raise ValueError(f"data: {size} prompts cannot feed {world} processes")
+            raise ValueError(f"data: {size} prompts cannot feed {world} data-parallel processes")
         self.size = size
         super().__init__(range(size), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self.epoch = -1  # the epoch of the last iteration started
@@ -118,11 +127,10 @@ class EvalSampler(DistributedSampler):
     (a plain DistributedSampler pads with repeats, which would bias the means). A DistributedSampler subclass,
     so Lightning keeps it under DDP."""
 
-    def __init__(self, size: int):
-        distributed = dist.is_available() and dist.is_initialized()
-        world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    def __init__(self, size: int, replicas: tuple[int, int] | None = None):
+        world, rank = replicas or data_ranks()
         if size < world:
-            raise ValueError(f"data: {size} evaluation prompts cannot feed {world} processes")
+            raise ValueError(f"data: {size} evaluation prompts cannot feed {world} data-parallel processes")
         super().__init__(range(size), num_replicas=world, rank=rank, shuffle=False)
         self.mine = list(range(rank, size, world))
 
@@ -141,8 +149,9 @@ class ResumablePromptLoader(DataLoader):
     prefetching), so the saved position is exact.
     """
 
-    def __init__(self, dataset: PromptDataset, batch_size: int, shuffle: bool, seed: int):
-        self.epoch_sampler = EpochSampler(len(dataset), shuffle, seed)
+    def __init__(self, dataset: PromptDataset, batch_size: int, shuffle: bool, seed: int,
+                 replicas: tuple[int, int] | None = None):
+        self.epoch_sampler = EpochSampler(len(dataset), shuffle, seed, replicas)
         super().__init__(dataset, batch_size=batch_size, sampler=self.epoch_sampler,
                          drop_last=len(self.epoch_sampler) >= batch_size)
         self.consumed = 0
@@ -226,13 +235,15 @@ class PromptDataModule(L.LightningDataModule):
         return None
 
     def train_dataloader(self) -> ResumablePromptLoader:
-        self._loader = ResumablePromptLoader(PromptDataset(self.prompts), self.batch_size, self.shuffle, self.seed)
+        self._loader = ResumablePromptLoader(PromptDataset(self.prompts), self.batch_size, self.shuffle, self.seed,
+                                             data_ranks(self.trainer))
         if self.trainer is not None:
             self._loader.unfinished_batches = self._unfinished_batches
         return self._loader
 
     def _eval_loader(self, prompts: list[str]) -> DataLoader:
-        return DataLoader(PromptDataset(prompts), batch_size=self.eval_batch_size, sampler=EvalSampler(len(prompts)))
+        sampler = EvalSampler(len(prompts), data_ranks(self.trainer))
+        return DataLoader(PromptDataset(prompts), batch_size=self.eval_batch_size, sampler=sampler)
 
     def val_dataloader(self):
         return self._eval_loader(self.val_prompts)

@@ -37,7 +37,7 @@ from jagg_lightning.metrics import EvalSums, FirstUpdateRatioCheck, train_metric
 from jagg_lightning.old_keys import move_old_keys, resolve_seeds
 from jagg_lightning.policies import Policy, PolicyConfig, build_policy
 from jagg_lightning.policy_checks import check_policy
-from jagg_lightning.reference import attach_reference
+from jagg_lightning.reference import attach_reference, reference_networks
 from jagg_lightning.rewards import Reward, build_reward, describe_reward
 from jagg_lightning.rollout import RolloutBatch, RolloutPlan, plan_rollout
 from jagg_lightning.sampler import EVAL_STEP, Sampler
@@ -180,6 +180,9 @@ class JAGGModule(L.LightningModule):
                 self.policy.enable_gradient_checkpointing()
             self.sampler = Sampler(self.policy, self.sampling, self.grpo.kl_beta, self.reward_workers)
             self.updater = Updater(self.policy, self.sampling, self.grpo, self.jagg, self.memory, self.sampler)
+        context = getattr(self._trainer.strategy, "context_parallel", None) if self._trainer is not None else None
+        if context is not None:  # diffusers' context parallelism on every network that runs (before FSDP2 wraps them)
+            context.apply(self.policy.sharded_networks() + reference_networks(self.policy), self.policy.family)
         mesh = self.device_mesh  # set by ModelParallelStrategy (FSDP2Strategy) before this hook
         if mesh is not None and not self._sharded:
             # FSDP2: one unit per transformer block (+ the reference copy); the parameters become DTensor shards,
@@ -305,7 +308,7 @@ class JAGGModule(L.LightningModule):
         """Means over every sample of every process (sums and counts all-reduced), and the sample grid."""
         if self.trainer.sanity_checking or not self._eval.sums:
             return
-        means = self._eval.means(lambda sums: self.trainer.strategy.reduce(sums, reduce_op="sum"))
+        means = self._eval.means(Collectives(self.trainer).sum)  # over the data ranks
         self.log_dict({f"{stage}/{n}": m for n, m in means.items()}, sync_dist=False)
         directory = log_dir(self.trainer) / "samples"  # on every process: trainer.log_dir broadcasts
         if self._eval.grid and self.trainer.is_global_zero:

@@ -64,6 +64,12 @@ def attach_reference(policy, kl_beta: float) -> FrozenReference | None:
     return reference
 
 
+def reference_networks(policy) -> list[nn.Module]:
+    """The frozen reference copies of a full fine-tune with KL (none otherwise): they run the transformer too."""
+    reference = getattr(policy, "frozen_reference", None)
+    return [] if reference is None else list(reference.networks.values())
+
+
 @contextmanager
 def reference_applied(policy):
     """Inside the block each trained network (``policy.transformer``; Wan2.2: also ``transformer_2``) is its

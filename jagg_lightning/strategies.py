@@ -21,6 +21,14 @@ checkpoints, none about the training math:
 
 Such a checkpoint is an ordinary Lightning checkpoint: it resumes under FSDP2 and on one process alike.
 
+Context parallelism (``context_parallel_size`` C > 1, ``context_parallel_kind`` ulysses | ring;
+:mod:`jagg_lightning.context_parallel`): :class:`DDPStrategy` (Lightning's, plus these options) and
+:class:`FSDP2Strategy` build the ``(data, ring, ulysses)`` mesh, the module hands each transformer to diffusers'
+``enable_parallelism``, the prompt samplers deal to the ``D = W / C`` data ranks (``distributed_sampler_kwargs``) and
+the sums over samples go over the data group. FSDP2 then shards over the flattened world (every one of the W
+processes), its reduce-scatter dividing by D: the sum over the context ranks of their partial gradients and the mean
+over the data ranks, in the one collective FSDP2 makes anyway (docs/distributed.md says why).
+
 For full fine-tuning (``policy.trainable: full``) ``save_distributed_checkpoint=True`` writes a folder in which
 every rank writes its own shards of the trainable weights and of the optimizer state
 (``torch.distributed.checkpoint``; :mod:`jagg_lightning.sharded_checkpoint`): it resumes bit-identically on
@@ -34,9 +42,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from jagg_lightning import context_parallel
+from jagg_lightning.context_parallel import ContextKind, ContextParallel
 from jagg_lightning.sharding import full_tensor
 
 
@@ -61,9 +72,47 @@ def shard_transformer(transformer: nn.Module, mesh, **options) -> None:
     fully_shard(transformer, mesh=mesh, **options)
 
 
-class FSDP2Strategy(ModelParallelStrategy):
+class ContextParallelOptions:
+    """``context_parallel_size`` / ``context_parallel_kind`` / ``attention_backend`` of a strategy, and the
+    :class:`~jagg_lightning.context_parallel.ContextParallel` it builds once the processes exist (None when C = 1)."""
+
+    def _init_context(self, size: int, kind: ContextKind, attention_backend: str | None) -> None:
+        context_parallel.check_context_options(size, kind)
+        self.context_parallel_size, self.context_parallel_kind = size, kind
+        self.attention_backend = attention_backend  # a diffusers backend name (ring attention needs one with LSE)
+        self.context_parallel: ContextParallel | None = None
+
+    def _setup_context(self) -> None:
+        if self.context_parallel_size > 1:
+            self.context_parallel = context_parallel.build(self.context_parallel_size, self.context_parallel_kind,
+                                                           self.root_device, self.attention_backend)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The data ranks: the context ranks of one data rank draw the same prompts."""
+        if self.context_parallel is None:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": self.context_parallel.data_size, "rank": self.context_parallel.data_rank}
+
+
+class DDPStrategy(ContextParallelOptions, LightningDDPStrategy):
+    """Lightning's DDPStrategy, with context parallelism beside it (``context_parallel_size`` C: the W processes are
+    W / C data ranks of C context ranks each; C = 1 is plain DDP)."""
+
+    def __init__(self, *args: Any, context_parallel_size: int = 1, context_parallel_kind: ContextKind = "ulysses",
+                 attention_backend: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_context(context_parallel_size, context_parallel_kind, attention_backend)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._setup_context()
+
+
+class FSDP2Strategy(ContextParallelOptions, ModelParallelStrategy):
     """Lightning's ModelParallelStrategy for FSDP2 over every process, with checkpoints of the trainable weights only
-    (one file; or, with ``save_distributed_checkpoint``, a folder of shards)."""
+    (one file; or, with ``save_distributed_checkpoint``, a folder of shards), and context parallelism beside it
+    (``context_parallel_size`` C; ``data_parallel_size`` is then W / C, and FSDP2 shards over all W processes)."""
 
     def __init__(
         self,
@@ -71,18 +120,27 @@ class FSDP2Strategy(ModelParallelStrategy):
         tensor_parallel_size: Literal["auto"] | int = 1,
         save_distributed_checkpoint: bool = False,
         cpu_offload: bool = False,
+        context_parallel_size: int = 1,
+        context_parallel_kind: ContextKind = "ulysses",
+        attention_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(data_parallel_size, tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
         self.cpu_offload = cpu_offload  # read by JAGGModule.configure_model when it shards
+        self._init_context(context_parallel_size, context_parallel_kind, attention_backend)
 
     def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":  # every process, before the parent builds the device mesh
-            self._data_parallel_size = self.num_nodes * self.num_processes
+        world, context = self.num_nodes * self.num_processes, self.context_parallel_size
+        if self._data_parallel_size not in ("auto", world // context) or world % context:
+            raise ValueError(f"FSDP2Strategy: data_parallel_size must be 'auto' or {world // context} (the "
+                             f"{world} processes over context_parallel_size {context}), got {self._data_parallel_size}")
         if self._tensor_parallel_size != 1:
             raise ValueError(f"FSDP2Strategy: tensor_parallel_size must be 1, got {self._tensor_parallel_size}")
+        # the parent's mesh shards over every process (the data and context ranks flattened)
+        self._data_parallel_size = world
         super().setup_environment()
+        self._setup_context()
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The trainable (LoRA) weights, full, on rank 0; every rank takes part in each gather (a distributed
@@ -111,6 +169,15 @@ class FSDP2Strategy(ModelParallelStrategy):
         return checkpoint
 
 
+def set_divide_factor(network: nn.Module, factor: int) -> None:
+    """Every FSDP2 unit of ``network`` divides its reduce-scattered gradients by ``factor`` (not the mesh size)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in network.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(factor))
+
+
 def shard_policy(policy, mesh, strategy=None) -> None:
     """FSDP2 for a policy: each network it lists in ``Policy.sharded_networks()`` (its transformer; Wan2.2's two
     experts) (with ``trainable: full`` in mixed precision: float32 master shards,
@@ -121,8 +188,11 @@ def shard_policy(policy, mesh, strategy=None) -> None:
 
     full = policy.config.trainable == "full"
     options = fsdp_options(DTYPES[policy.config.dtype], bool(getattr(strategy, "cpu_offload", False)), full)
+    context = getattr(strategy, "context_parallel", None)
     for network in policy.sharded_networks():  # the transformer; Wan2.2: both experts
         shard_transformer(network, mesh, **options)
+        if context is not None:  # the sum over the context ranks' partial gradients, the mean over the data ranks
+            set_divide_factor(network, context.data_size)
     reference = getattr(policy, "frozen_reference", None)
     if reference is not None:
         reference.shard(mesh, shard_transformer)

@@ -24,6 +24,9 @@ class PredictionImages(BasePredictionWriter):
         self.written: list[Path] = []
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):
+        context = getattr(trainer.strategy, "context_parallel", None)
+        if context is not None and context.context_rank != 0:  # its context peers drew the same images
+            return
         root = Path(self.dirpath or Path(trainer.default_root_dir) / "predictions")
         root.mkdir(parents=True, exist_ok=True)
         lines = []

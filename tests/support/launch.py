@@ -24,8 +24,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(script: Path, *args: str, world: int = 2, timeout: float = 120, cwd: Path | None = None) -> list[str]:
-    """Run ``python script args...`` as ``world`` ranks of one job; returns each rank's stdout.
+def run_ranks(script: Path | list[str], *args: str, world: int = 2, timeout: float = 120,
+              cwd: Path | None = None) -> list[str]:
+    """Run ``python script args...`` as ``world`` ranks of one job; returns each rank's stdout. ``script`` may be
+    a list of interpreter arguments instead (``["-m", "jagg_lightning", "fit"]``).
 
     Every rank gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
     MASTER_ADDR, MASTER_PORT), so Lightning uses its TorchElasticEnvironment and launches nothing itself.
@@ -33,7 +35,8 @@ def run_ranks(script: Path, *args: str, world: int = 2, timeout: float = 120, cw
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", OMP_NUM_THREADS="1", PYTHONPATH=search_path())
     procs = [
-        subprocess.Popen([sys.executable, str(script), *args], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+        subprocess.Popen([sys.executable, *(script if isinstance(script, list) else [str(script)]), *args],
+                         env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
         for r in range(world)
     ]
