@@ -30,8 +30,8 @@ SD3.5 has no ``_cp_plan`` in diffusers and is refused.
 
 ``--model wan21_1_3b``: a random-weight ``WanTransformer3DModel`` with Wan2.1-T2V-1.3B's configuration (1.4 B
 parameters, 30 blocks of width 1536), bf16, a float32 LoRA (r 64, configs/wan21_t2v_1_3b.yaml) on the family's
-targets, random UMT5 embeddings of the real shape (512 x 4096), 480 x 832 px and the preset's 49 frames: latents
-[16, 13, 60, 104], 20 280 video tokens per sample; 2 samples per update by default (one sample's activations
+targets, random UMT5 embeddings of the real shape (512 x 4096), the preset's 480 x 832 px and 81 frames: latents
+[16, 21, 60, 104], 32 760 video tokens per sample; 2 samples per update by default (one sample's activations
 without gradient checkpointing are tens of GiB at this size).
 
 A configuration that runs out of GPU memory prints "OOM" in its row and the table goes on (at 1024 px
@@ -78,8 +78,9 @@ WAN21_1_3B = dict(  # Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json
 )
 TINY_WAN = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
                 text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32)
-# 480 x 832 px, configs/wan21_t2v_1_3b.yaml's 49 frames: the VAE's 4x temporal / 8x spatial compression
-WAN_SETTINGS = [("480x832 49f 10 steps", (16, 13, 60, 104), 10)]
+# configs/wan21_t2v_1_3b.yaml's 480 x 832 px and 81 frames (the VAE's 4x temporal / 8x spatial compression):
+# 21 x 30 x 52 = 32,760 tokens per sample
+WAN_SETTINGS = [("480x832 81f 10 steps", (16, 21, 60, 104), 10)]
 TINY_WAN_SETTINGS = [("32px 9f 10 steps", (4, 3, 4, 4), 10)]
 WAN_TOKENS = 512  # UMT5 tokens, WanPipeline's max_sequence_length
 
@@ -126,7 +127,7 @@ def build_transformer(config: dict, dtype: torch.dtype, device: torch.device, ra
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=sorted(MODELS), default="sd35",
-                        help="sd35: SD3.5 Medium (images); wan21_1_3b: Wan2.1-T2V-1.3B (video, 480x832, 49 frames)")
+                        help="sd35: SD3.5 Medium (images); wan21_1_3b: Wan2.1-T2V-1.3B (video, 480x832, 81 frames)")
     parser.add_argument("--tiny", action="store_true", help="the tiny test model on the CPU (checks the script)")
     parser.add_argument("--samples", type=int, help="samples per update (one micro-batch; default 8, Wan 2)")
     parser.add_argument("--window", type=int, default=4)
