@@ -155,8 +155,8 @@ def twin_spec(family: str) -> ModelSpec:
     else:
         spatial = getattr(pipe, "vae_scale_factor", None) or 2 ** (len(vae.block_out_channels) - 1)
         temporal, frames = 1, 1
-        native = {"sd3": pipe.transformer.config.sample_size * spatial, "qwen_image": 32}.get(family)
-        native = native or vae.get("sample_size") or pipe.default_sample_size * spatial
+        native = pipe.transformer.config.sample_size * spatial if family == "sd3" else 32 if family == "qwen_image" \
+            else vae.get("sample_size") or pipe.default_sample_size * spatial
         native = native if isinstance(native, int) else native[0]
     config = dict(pipe.transformer.config) | {"_class_name": type(pipe.transformer).__name__}
     two = getattr(pipe, "transformer_2", None) is not None

@@ -137,38 +137,55 @@ def routed_windows(sampling, jagg, breaks) -> list[Window]:
 
 
 def plan_memory(policy, sampling, grpo, jagg, memory, prompts_per_device: int, setup: Setup,
-                spec: ModelSpec | None = None, default_targets: list[str] | None = None) -> MemoryPlan:
-    """The per-device table of one training step of this config (see the module docstring)."""
+                spec: ModelSpec | None = None, default_targets: list[str] | None = None,
+                text_tokens: int | None = None) -> MemoryPlan:
+    """The per-device table of one training step of this config (see the module docstring). The condition's tokens:
+    ``text_tokens``, else SD3's CLIP tokens + ``max_sequence_length`` and every other family's padded
+    ``max_sequence_length`` (Qwen-Image's prompts are cut there, shorter ones cost less: the bound)."""
     from jagg_lightning.policies import FAMILIES
 
     spec = spec or model_spec(policy)
     if default_targets is None:
         default_targets = FAMILIES[policy.family or spec.family].policy_class().default_lora_targets
-    dtype = DTYPES[policy.dtype]
     size = image_size(policy.resolution, spec.native_size)
     frames = policy.num_frames or spec.native_frames
-    text = spec.clip_tokens + policy.max_sequence_length
+    text = text_tokens or spec.clip_tokens + policy.max_sequence_length
     geo = geometry(spec.family, spec.transformer, spec.vae_spatial, spec.vae_temporal, size, frames, text)
     cfg = guided(spec, policy, sampling)
     rows_per_sample = 2 if cfg else 1
 
-    network = meta_network(spec, policy, default_targets)  # as held: float32 masters of a full fine-tune
-    trainable = [p for p in network.parameters() if p.requires_grad]
-    frozen = [p for p in network.parameters() if not p.requires_grad]
-    blocks = _blocks(network)
+    traced = dict(measure(spec, policy, default_targets, geo, rows_per_sample, setup.sharded))
+    return layout(spec, setup, geo, policy, sampling, grpo, jagg, memory, prompts_per_device, traced)
+
+
+_MEASURED: dict = {}
+
+
+def measure(spec: ModelSpec, policy, default_targets: list[str], geo: Geometry, rows: int, sharded: bool) -> dict:
+    """The meta network's parameters (as held: float32 masters of a full fine-tune) and one sample's traced
+    activation bytes (+ one block's, recomputed in backward under gradient checkpointing); remembered per setting
+    (the advice plans the same model many times)."""
+    dtype = DTYPES[policy.dtype]
     # the dtype the forward computes in: a full fine-tune's float32 masters on one process, policy.dtype under FSDP2
-    trace_dtype = compute_dtype(dtype) if policy.trainable == "full" and not setup.sharded else dtype
+    trace_dtype = compute_dtype(dtype) if policy.trainable == "full" and not sharded else dtype
+    key = (id(spec), repr(policy), geo, rows, trace_dtype)
+    if key in _MEASURED:
+        return _MEASURED[key]
+    network = meta_network(spec, policy, default_targets)
 
     def trace(checkpointing: bool) -> int:
         config = dataclasses.replace(policy, gradient_checkpointing=checkpointing)
-        return traced_activation_bytes(lambda: meta_network(spec, config, default_targets, setup.sharded),
-                                       lambda: transformer_inputs(geo, spec.transformer, rows_per_sample, trace_dtype))
+        return traced_activation_bytes(lambda: meta_network(spec, config, default_targets, sharded),
+                                       lambda: transformer_inputs(geo, spec.transformer, rows, trace_dtype))
 
+    blocks = _blocks(network)
     per_sample = trace(policy.gradient_checkpointing)
     recompute = trace(False) / max(len(blocks), 1) if policy.gradient_checkpointing else 0.0
-    return layout(spec, setup, geo, policy, sampling, grpo, jagg, memory, prompts_per_device,
-                  dict(per_sample=per_sample, recompute=recompute, trainable=trainable, frozen=frozen, blocks=blocks,
-                       dtype=dtype, rows_per_sample=rows_per_sample, base_params=base_params(spec)))
+    _MEASURED[key] = result = dict(
+        per_sample=per_sample, recompute=recompute, trainable=[p for p in network.parameters() if p.requires_grad],
+        frozen=[p for p in network.parameters() if not p.requires_grad], blocks=blocks, dtype=dtype,
+        rows_per_sample=rows, base_params=base_params(spec))
+    return result
 
 
 def base_params(spec: ModelSpec) -> int:
