@@ -95,6 +95,11 @@ def _blocks(network: nn.Module) -> list[nn.Module]:
             and (name.endswith("blocks") or name == "layers" or name.endswith("_refiner")) for m in lst]
 
 
+def count(n: float) -> str:
+    """A parameter count as people write it: 613.4M, 28.6B."""
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.4g}M"
+
+
 def _numel(params) -> int:
     return sum(p.numel() for p in params)
 
@@ -206,24 +211,28 @@ def layout(spec, setup, geo, policy, sampling, grpo, jagg, memory, prompts, trac
     on_device = not (setup.sharded and setup.cpu_offload)
     frozen_dtype = str(traced["frozen"][0].dtype if traced["frozen"] else dtype).replace("torch.", "")
     rows.append(Row("frozen transformer weights", frozen_b if on_device else 0.0,
-                    f"{_numel(traced['frozen']) / 1e9:.3g}B params x {experts} network(s) in {frozen_dtype}"
+                    f"{count(_numel(traced['frozen']))} params x {experts} network(s) in {frozen_dtype}"
                     + (f" / {shard} (FSDP2)" if shard > 1 else "")
                     + ("" if on_device else ", on the host (FSDP2 cpu_offload)")))
     comps = {k: v for k, v in spec.components.items() if policy.load_t5 or not k.startswith("text_encoder_3")}
     rows.append(Row("text encoders + VAE (frozen, whole)", sum(comps.values()) * dtype.itemsize,
-                    f"{sum(comps.values()) / 1e9:.3g}B params in {str(dtype).replace('torch.', '')}"))
+                    f"{count(sum(comps.values()))} params in {str(dtype).replace('torch.', '')}"))
     per_weight = 4 * (2 + setup.optimizer_states + (1 if setup.ema else 0))  # float32 master, grad, states, EMA
     bucket = 4 if setup.strategy == "ddp" and setup.devices > 1 else 0  # DDP's gradient buckets
     train_b = n_train * (per_weight + bucket) / shard
-    rows.append(Row("trainable weights + grads + optimizer (float32)", train_b if on_device else 0.0,
-                    f"{n_train / 1e6:.4g}M params x ({per_weight + bucket} B: weight, grad, {setup.optimizer_states} "
+    ema_kept = 0.0 if on_device or not setup.ema else n_train * 4 / shard  # the EMA shadow is not offloaded
+    rows.append(Row("trainable weights + grads + optimizer (float32)", train_b if on_device else ema_kept,
+                    f"{count(n_train)} params x ({per_weight + bucket} B: weight, grad, {setup.optimizer_states} "
                     f"state{'s' if setup.optimizer_states != 1 else ''}{', EMA' if setup.ema else ''}"
                     f"{', DDP bucket' if bucket else ''}){f' / {shard}' if shard > 1 else ''}"
                     + ("" if on_device else ", on the host (FSDP2 cpu_offload)")))
     if setup.sharded:
         largest = max((_bytes(b.parameters()) for b in traced["blocks"]), default=0)
         gathered = 2 * largest * (dtype.itemsize / master.itemsize if policy.trainable == "full" else 1)
-        rows.append(Row("FSDP2 all-gathered blocks", gathered, "two blocks unsharded at a time (prefetch)"))
+        if policy.trainable == "full":  # + the float32 unsharded gradient of the block being reduced
+            gathered += largest
+        rows.append(Row("FSDP2 all-gathered blocks", gathered, "two blocks unsharded at a time (prefetch)"
+                        + (" + one block's float32 gradient" if policy.trainable == "full" else "")))
     reference = policy.trainable == "full" and grpo.kl_beta > 0
     if reference:
         ref_b = (_numel(traced["frozen"]) + n_train / experts) * experts * dtype.itemsize / shard
