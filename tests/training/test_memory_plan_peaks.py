@@ -39,7 +39,6 @@ class StepPeak(Callback):
         self.hooks.__exit__(None, None, None)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("twin", sorted(TWINS))
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_plan_predicts_the_steps_activation_peak(twin, mode):
