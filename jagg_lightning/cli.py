@@ -1,8 +1,9 @@
 """``jagg fit --config configs/tiny.yaml``: LightningCLI over JAGGModule and PromptDataModule.
 
 Subcommands: ``fit``, ``validate`` (held-out prompts, ODE sampling, see docs/configuration.md),
-``predict`` (images for prompts with the trained adapter), ``test`` and ``serve-reward`` (a reward behind
-HTTP, :mod:`jagg_lightning.rewards.server`; not a LightningCLI subcommand).
+``predict`` (images for prompts with the trained adapter), ``test``, ``serve-reward`` (a reward behind
+HTTP, :mod:`jagg_lightning.rewards.server`) and ``plan`` (the memory of a config per device before launch,
+:mod:`jagg_lightning.cli_plan`); the last two are not LightningCLI subcommands.
 
 What the CLI adds to LightningCLI:
 
@@ -218,6 +219,25 @@ def cli_main(args=None, run: bool = True) -> JAGGCLI:
         fail(f"trainer: {err}")
 
 
+class ParseOnlyCLI(JAGGCLI):
+    """Parses and checks a config as ``jagg fit`` does, and builds nothing (``jagg plan``)."""
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+def parse_config(args: list[str]):
+    """The config ``jagg fit <args>`` would run (files, overrides, the trainer and data checks), without building any
+    object: a jsonargparse Namespace (``model``, ``trainer``, ``data``)."""
+    import warnings
+
+    with warnings.catch_warnings():  # `jagg plan` hands its own remaining arguments over: that is the intent
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        return ParseOnlyCLI(JAGGModule, PromptDataModule, args=args, run=False,
+                            parser_kwargs={"description": DESCRIPTION, "version": __version__, "prog": "jagg plan"},
+                            trainer_defaults={"accelerator": "auto", "devices": 1}, auto_configure_optimizers=False).config
+
+
 def set_cpu_threads() -> int:
     """PyTorch's CPU threads: ``JAGG_NUM_THREADS``, else ``OMP_NUM_THREADS``, else 1 -- measured on the main job
     (README, docs/configuration.md "Threads"): a second thread gains little on the small shipped models and
@@ -242,6 +262,10 @@ def main() -> None:
         from jagg_lightning.rewards.server import serve_main
 
         raise SystemExit(serve_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["plan"]:  # its own arguments, then the fit config parsed (nothing built)
+        from jagg_lightning.cli_plan import plan_main
+
+        raise SystemExit(plan_main(sys.argv[2:], parse_config))
     try:
         cli_main()
     except RewardError as err:  # a reward (a server) failed: its one line, not a traceback; checkpoints are intact

@@ -1,0 +1,108 @@
+"""``jagg plan --config X [--devices N] [--device-memory GB] [--context C] [overrides]``: the memory of one training
+step of a config per device, before anything is allocated (:mod:`jagg_lightning.memory_plan`).
+
+The config is read as ``jagg fit --config X`` reads it (the same files and ``--model.*`` / ``--trainer.*`` /
+``--data.*`` overrides; nothing is built). ``--devices`` defaults to ``trainer.devices x trainer.num_nodes``, the
+strategy is the trainer's (``FSDP2Strategy``: sharded, its ``cpu_offload``; DDP otherwise on several devices),
+``--context`` to the strategy's ``context_parallel_size`` (1 without one). Exit status: 0 it fits, 1 it does not
+(the table names what to change), 2 a bad config or argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EPILOG = ("Other arguments are overrides, as for jagg fit (e.g. --model.policy.resolution 512 --trainer.devices 8). "
+          "Exit status: 0 fits, 1 does not fit, 2 bad config. Nothing is downloaded or allocated: the model is built "
+          "on the meta device from its config.json (shipped for the presets' hub ids, or a local pipeline folder's).")
+
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jagg plan", description="Memory per device of one training step of a "
+                                     "config, before launch.", epilog=EPILOG)
+    parser.add_argument("--config", action="append", required=True, help="the fit config (YAML); may repeat")
+    parser.add_argument("--devices", type=int, help="processes in all (default: trainer.devices x trainer.num_nodes)")
+    parser.add_argument("--device-memory", type=float, default=80.0, metavar="GB",
+                        help="memory of one device in GiB (default: 80)")
+    parser.add_argument("--context", type=int, help="context-parallel degree: context ranks per sample (default: "
+                        "the strategy's context_parallel_size, else 1)")
+    return parser
+
+
+def _get(namespace, key, default=None):
+    value = namespace.get(key, default) if hasattr(namespace, "get") else getattr(namespace, key, default)
+    return default if value is None else value
+
+
+def strategy_of(trainer) -> tuple[str, dict]:
+    """("single" | "ddp" | "fsdp2", the strategy's init args) of the trainer section."""
+    strategy = _get(trainer, "strategy", "auto")
+    if isinstance(strategy, str):
+        name = strategy.lower()
+        return ("fsdp2" if "fsdp" in name or "model_parallel" in name else "ddp" if "ddp" in name else "auto"), {}
+    class_path = str(_get(strategy, "class_path", ""))
+    init = dict(_get(strategy, "init_args", {}) or {})
+    if class_path.endswith(("FSDP2Strategy", "ModelParallelStrategy", "FSDPStrategy")):
+        return "fsdp2", init
+    return ("ddp" if "DDP" in class_path else "auto"), init
+
+
+def devices_of(trainer) -> int:
+    devices, nodes = _get(trainer, "devices", 1), int(_get(trainer, "num_nodes", 1))
+    if isinstance(devices, (list, tuple)):
+        return len(devices) * nodes
+    return (int(devices) if str(devices).isdigit() else 1) * nodes
+
+
+def optimizer_states(optimizer) -> int:
+    """float32 states per trainable weight: AdamW / Adam 2 (model.optimizer null: AdamW), SGD 1 with momentum."""
+    path = str(_get(optimizer, "class_path", "torch.optim.AdamW")) if optimizer is not None else "torch.optim.AdamW"
+    if path.endswith(".SGD"):
+        return 1 if float(_get(_get(optimizer, "init_args", {}), "momentum", 0) or 0) else 0
+    return 2
+
+
+def plan_main(argv: list[str], parse_config) -> int:
+    """The command (``parse_config``: the CLI's parse of a fit config, :func:`jagg_lightning.cli.parse_config`)."""
+    args, rest = arguments().parse_known_args(argv)
+    fit_args = [a for c in args.config for a in ("--config", c)] + rest
+    config = parse_config(fit_args)
+    try:
+        return run(args, config)
+    except ValueError as err:
+        print(f"jagg plan: error: {err}", file=sys.stderr)
+        return 2
+
+
+def run(args, config) -> int:
+    from jagg_lightning.config import (GRPOConfig, JAGGConfig, MemoryConfig, PolicyConfig, SamplingConfig, as_config,
+                                       check_sections)
+    from jagg_lightning.memory_plan import Setup, advise, plan_memory, render
+    from jagg_lightning.old_keys import move_old_keys
+
+    model, trainer = config.get("model"), config.get("trainer")
+    plain = lambda cls, key: as_config(cls, dict(_get(model, key).items()) if _get(model, key) is not None else None)  # noqa: E731
+    policy, sampling, grpo = plain(PolicyConfig, "policy"), plain(SamplingConfig, "sampling"), plain(GRPOConfig, "grpo")
+    jagg, memory = plain(JAGGConfig, "jagg"), plain(MemoryConfig, "memory")
+    move_old_keys(policy, sampling, jagg, memory)
+    check_sections(sampling, grpo, jagg)
+    strategy, init = strategy_of(trainer)
+    devices = args.devices or devices_of(trainer)
+    context = args.context or int(init.get("context_parallel_size") or 1)
+    for name, value in (("--devices", devices), ("--context", context), ("--device-memory", args.device_memory)):
+        if value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    if devices % context:
+        raise ValueError(f"--context {context} must divide the devices ({devices})")
+    if strategy == "auto":
+        strategy = "ddp" if devices > 1 else "single"
+    setup = Setup(devices=devices, device_memory_gib=args.device_memory, strategy=strategy,
+                  cpu_offload=bool(init.get("cpu_offload", False)), context=context,
+                  optimizer_states=optimizer_states(_get(model, "optimizer")), ema=_get(model, "ema_decay") is not None,
+                  reward_workers=int(_get(model, "reward_workers", 0)))
+    prompts = int(_get(config.get("data"), "batch_size", 1)) if config.get("data") is not None else 1
+    plan = plan_memory(policy, sampling, grpo, jagg, memory, prompts, setup)
+    plan.suggestions = advise(plan, policy, sampling, grpo, jagg, memory, prompts)
+    print(render(plan))
+    return 0 if plan.fits else 1

@@ -1,0 +1,225 @@
+"""What a config's model is, without its weights: :class:`ModelSpec` (the family, the transformer's config.json,
+the VAE's compression, the native shape, the frozen components' parameter counts), from one of
+
+* the shipped configs (``jagg_lightning/model_configs/<name>``: the published transformer config.json and a
+  ``spec.json``), found by the hub id ``policy.pretrained`` names -- offline;
+* a local pipeline folder (its ``model_index.json``, ``transformer/config.json``, ``vae/config.json``, the text
+  encoders' ``config.json``);
+* the family's tiny twin (``policy.pretrained: null``), built on the meta device.
+
+:func:`meta_network` builds the transformer on the meta device (diffusers ``from_config`` under
+``torch.device("meta")``) with the config's LoRA or full-training setup, :func:`fake_network` moves it into a
+``FakeTensorMode`` (the parameters become fake tensors: shapes and dtypes, no storage), where one forward and
+backward can be traced. Plain torch, no Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+SHIPPED = Path(__file__).resolve().parent.parent / "model_configs"
+
+
+@dataclass
+class ModelSpec:
+    family: str
+    transformer: dict  # the transformer's config.json (with ``_class_name``)
+    source: str  # where it came from, for the table's title
+    experts: int = 1  # trained networks of the transformer's config (Wan2.2 A14B: 2)
+    vae_spatial: int = 8
+    vae_temporal: int = 1
+    native_size: tuple[int, int] = (1024, 1024)
+    native_frames: int = 1
+    clip_tokens: int = 0  # SD3: the CLIP tokens before T5's in the joint condition
+    distilled: bool = False  # FLUX.2 [klein] step-distilled: no CFG
+    boundary_ratio: float | None = None
+    flow_shift: float = 1.0
+    components: dict[str, int] = field(default_factory=dict)  # frozen parts (text encoders, VAE): parameter counts
+    published: str = ""  # the published transformer size, with its source
+
+    def transformer_class(self) -> type[nn.Module]:
+        import diffusers
+
+        return getattr(diffusers, self.transformer["_class_name"])
+
+
+def _class(path: str):
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def count_meta(build) -> int:
+    """Parameters of the module ``build()`` makes on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build().parameters())
+
+
+def component_count(entry: dict) -> int:
+    """A frozen component's parameter count: built on meta from its config class, or its published count."""
+    if "published" in entry:
+        return int(entry["published"])
+    cls = _class(entry["class"])
+    if "config_class" in entry:
+        config = _class(entry["config_class"])(**entry["config"])
+        return count_meta(lambda: cls(config))
+    return count_meta(lambda: cls.from_config(entry["config"]))
+
+
+def shipped_specs() -> dict[str, Path]:
+    """hub id -> shipped config folder."""
+    found = {}
+    for folder in sorted(p for p in SHIPPED.iterdir() if (p / "spec.json").is_file()):
+        for hub_id in json.loads((folder / "spec.json").read_text())["hub_ids"]:
+            found[hub_id] = folder
+    return found
+
+
+def shipped_spec(folder: Path, hub_id: str | None = None) -> ModelSpec:
+    spec = json.loads((folder / "spec.json").read_text())
+    return ModelSpec(
+        family=spec["family"], transformer=json.loads((folder / "transformer_config.json").read_text()),
+        source=f"{hub_id or folder.name} (shipped config: jagg_lightning/model_configs/{folder.name})",
+        experts=spec.get("experts", 1), vae_spatial=spec["vae_spatial"], vae_temporal=spec.get("vae_temporal", 1),
+        native_size=tuple(spec["native_size"]), native_frames=spec.get("native_frames", 1),
+        clip_tokens=spec.get("clip_tokens", 0), distilled=hub_id in spec.get("distilled_ids", ()),
+        boundary_ratio=spec.get("boundary_ratio"), flow_shift=spec.get("flow_shift", 1.0),
+        components={name: component_count(entry) for name, entry in spec["components"].items()},
+        published=spec.get("published_transformer", ""))
+
+
+FAMILY_OF_PIPELINE = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "Flux2KleinPipeline": "flux2",
+                      "QwenImagePipeline": "qwen_image", "WanPipeline": "wan"}
+
+
+def local_spec(folder: Path) -> ModelSpec:
+    """A local diffusers pipeline folder, read from its JSON files only."""
+    index = json.loads((folder / "model_index.json").read_text())
+    family = FAMILY_OF_PIPELINE.get(index["_class_name"])
+    if family is None:
+        raise ValueError(f"policy.pretrained: jagg plan has no memory plan for {index['_class_name']} yet "
+                         f"(planned: {', '.join(FAMILY_OF_PIPELINE)})")
+    read = lambda part: json.loads((folder / part / "config.json").read_text())  # noqa: E731
+    vae = read("vae")
+    if vae.get("scale_factor_spatial"):
+        spatial, temporal = int(vae["scale_factor_spatial"]), int(vae.get("scale_factor_temporal", 4))
+    elif vae.get("temperal_downsample") is not None:
+        spatial, temporal = 2 ** len(vae["temperal_downsample"]), 2 ** sum(map(bool, vae["temperal_downsample"]))
+    else:
+        spatial, temporal = 2 ** (len(vae["block_out_channels"]) - 1), 1
+    components = {}
+    for name, entry in index.items():
+        if not isinstance(entry, list) or entry[0] is None or not (folder / name / "config.json").is_file():
+            continue
+        if name.startswith("transformer"):
+            continue
+        library, cls_name = entry
+        cls = getattr(importlib.import_module(library), cls_name)
+        if library == "transformers":
+            config = _class("transformers.AutoConfig").from_pretrained(folder / name)
+            components[name] = count_meta(lambda: cls(config))
+        else:
+            components[name] = count_meta(lambda: cls.from_config(read(name)))
+    transformer = read("transformer")
+    sample = (vae.get("sample_size") or (transformer.get("sample_size", 128) * spatial))
+    sample = sample if isinstance(sample, int) else sample[0]
+    tokenizer = folder / "tokenizer" / "tokenizer_config.json"
+    clip = json.loads(tokenizer.read_text()).get("model_max_length", 77) if family == "sd3" and tokenizer.is_file() else 0
+    scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    native = {"wan": (480, 832), "qwen_image": (1024, 1024)}.get(family, (sample, sample))
+    return ModelSpec(family, transformer, f"{folder} (local pipeline)", experts=2 if (index.get("transformer_2") or
+                     [None])[0] else 1, vae_spatial=spatial, vae_temporal=temporal, native_size=native,
+                     native_frames=81 if family == "wan" else 1, clip_tokens=clip,
+                     distilled=bool(index.get("is_distilled", False)), boundary_ratio=index.get("boundary_ratio"),
+                     flow_shift=float(scheduler.get("flow_shift") or scheduler.get("shift") or 1.0),
+                     components=components)
+
+
+def twin_spec(family: str) -> ModelSpec:
+    """The family's tiny twin (``policy.pretrained: null``), its pipeline built on the meta device."""
+    from jagg_lightning.policies import FAMILIES
+
+    with torch.device("meta"):
+        pipe = FAMILIES[family].policy_class().build_tiny_pipeline(0)
+    comps = {n: sum(p.numel() for p in m.parameters()) for n, m in pipe.components.items()
+             if isinstance(m, nn.Module) and not n.startswith("transformer")}
+    vae = pipe.vae.config
+    if family in ("wan", "wan22"):
+        spatial, temporal, native, frames = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal, 32, 9
+    else:
+        spatial = getattr(pipe, "vae_scale_factor", None) or 2 ** (len(vae.block_out_channels) - 1)
+        temporal, frames = 1, 1
+        native = pipe.transformer.config.sample_size * spatial if family == "sd3" else 32 if family == "qwen_image" \
+            else vae.get("sample_size") or pipe.default_sample_size * spatial
+        native = native if isinstance(native, int) else native[0]
+    config = dict(pipe.transformer.config) | {"_class_name": type(pipe.transformer).__name__}
+    two = getattr(pipe, "transformer_2", None) is not None
+    return ModelSpec("wan" if family == "wan22" else family, config, f"the tiny {family} twin (policy.pretrained: null)",
+                     experts=2 if two else 1, vae_spatial=spatial, vae_temporal=temporal, native_size=(native, native),
+                     native_frames=frames, clip_tokens=getattr(pipe, "tokenizer_max_length", 0) if family == "sd3" else 0,
+                     boundary_ratio=pipe.config.get("boundary_ratio"), flow_shift=float(
+                         pipe.scheduler.config.get("shift") or 1.0), components=comps)
+
+
+def model_spec(policy) -> ModelSpec:
+    """The :class:`ModelSpec` of a ``PolicyConfig``: the tiny twin, a shipped config (by hub id) or a local folder."""
+    from jagg_lightning.assets import find_local
+
+    if policy.pretrained is None:
+        return twin_spec(policy.family or "sd3")
+    local = find_local(policy.pretrained)
+    if local is not None and (Path(local) / "model_index.json").is_file():
+        return local_spec(Path(local))
+    shipped = shipped_specs()
+    if policy.pretrained in shipped:
+        return shipped_spec(shipped[policy.pretrained], policy.pretrained)
+    raise ValueError(f"policy.pretrained: {policy.pretrained!r} is neither a local pipeline folder nor a hub id with a "
+                     f"shipped config (jagg plan works offline; shipped: {', '.join(sorted(shipped))})")
+
+
+def meta_network(spec: ModelSpec, policy, default_targets: list[str], sharded: bool = False) -> nn.Module:
+    """The transformer on the meta device, as the policy would train it: frozen weights in ``policy.dtype`` with the
+    peft LoRA (float32 weights) of ``policy.lora_*``, or (``trainable: full``) float32 masters of the modules
+    ``trainable_modules`` names -- computing in float32 on one process, in ``policy.dtype`` under FSDP2
+    (``sharded``: its mixed-precision policy all-gathers the parameters in that dtype); ``gradient_checkpointing``
+    as configured."""
+    from jagg_lightning.adapters import add_lora
+    from jagg_lightning.dtypes import DTYPES
+    from jagg_lightning.full_finetune import make_trainable
+
+    dtype = DTYPES[policy.dtype]
+    with torch.device("meta"):
+        network = spec.transformer_class().from_config(spec.transformer)
+    nn.Module.to(network, dtype)
+    network.requires_grad_(False)
+    if policy.trainable == "full":
+        make_trainable(network, policy.trainable_modules, dtype)
+        if sharded:
+            nn.Module.to(network, dtype)
+    else:
+        targets = list(policy.lora_targets if policy.lora_targets is not None else default_targets)
+        add_lora(SimpleNamespace(family=spec.family), network,
+                 {"r": policy.lora_rank, "lora_alpha": policy.lora_alpha, "target_modules": targets}, 0, dtype)
+    if policy.gradient_checkpointing:
+        network.enable_gradient_checkpointing()
+    return network
+
+
+def fake_network(network: nn.Module, device: str = "cpu") -> nn.Module:
+    """Replace every parameter and buffer of a meta ``network`` by a fake tensor of the same shape, dtype and
+    ``requires_grad`` (call inside the ``FakeTensorMode`` that will run it: nothing is allocated)."""
+    for module in network.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                        requires_grad=p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+    return network

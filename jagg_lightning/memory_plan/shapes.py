@@ -1,0 +1,97 @@
+"""The shapes a family's transformer sees at a configured resolution: the per-sample latent of the SDE, the token
+count, and example inputs of one forward (``transformer_inputs``), for tracing on a fake model.
+
+These mirror each family's ``latent_shape`` / ``velocity`` (``jagg_lightning/policies``) for a transformer that is
+only a config (no pipeline, no weights); ``tests/unit/test_memory_plan.py`` checks them against the real policies
+of the twins (the same latent shape, the same saved bytes as ``Sampler.activation_bytes``), so a family that
+changes its layout fails there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def image_size(resolution, native: tuple[int, int]) -> tuple[int, int]:
+    """(height, width) in pixels of ``policy.resolution``: an int (square), a [H, W] pair, or None (``native``)."""
+    if resolution is None:
+        return native
+    if isinstance(resolution, bool):
+        raise ValueError(f"policy.resolution must be an integer, a [height, width] pair or null, got {resolution!r}")
+    if isinstance(resolution, int):
+        return resolution, resolution
+    if isinstance(resolution, (list, tuple)) and len(resolution) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in resolution):
+        return int(resolution[0]), int(resolution[1])
+    raise ValueError(f"policy.resolution must be an integer, a [height, width] pair or null, got {resolution!r}")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What one sample is at the configured shape: ``latent`` (the SDE's per-sample shape), ``tokens`` (image or video
+    tokens the transformer attends over) and ``text`` (condition tokens)."""
+
+    family: str
+    latent: tuple[int, ...]
+    tokens: int
+    text: int
+    grid: tuple[int, ...]  # the token grid: (rows, cols), or (frames, rows, cols) for video
+
+
+def geometry(family: str, config: dict, spatial: int, temporal: int, size: tuple[int, int], frames: int,
+             text: int) -> Geometry:
+    """The latent and token counts of ``family`` for a transformer ``config`` (its config.json), a VAE of
+    ``spatial`` (and ``temporal``) compression, an image of ``size`` = (H, W) pixels, ``frames`` (video) and
+    ``text`` condition tokens."""
+    h, w = size[0] // spatial, size[1] // spatial
+    c = int(config.get("in_channels", 16))
+    if family == "sd3":
+        p = int(config.get("patch_size", 2))
+        return Geometry(family, (c, h, w), (h // p) * (w // p), text, (h // p, w // p))
+    if family == "flux":  # 2x2-packed latents, 1x1 patches
+        return Geometry(family, (c // 4, h, w), (h // 2) * (w // 2), text, (h // 2, w // 2))
+    if family == "flux2":  # the 2x2 patchified latent is the SDE's
+        return Geometry(family, (c, h // 2, w // 2), (h // 2) * (w // 2), text, (h // 2, w // 2))
+    if family == "qwen_image":  # packed tokens [S, 4C]
+        return Geometry(family, ((h // 2) * (w // 2), c), (h // 2) * (w // 2), text, (h // 2, w // 2))
+    if family == "wan":
+        f = (frames - 1) // temporal + 1
+        p = config.get("patch_size", (1, 2, 2))
+        grid = (f // p[0], h // p[1], w // p[2])
+        return Geometry(family, (c, f, h, w), grid[0] * grid[1] * grid[2], text, grid)
+    raise ValueError(f"jagg plan: family {family!r} has no memory plan yet (planned: sd3, flux, flux2, qwen_image, wan)")
+
+
+def transformer_inputs(geo: Geometry, config: dict, batch: int, dtype: torch.dtype) -> dict:
+    """Keyword inputs of one transformer forward over ``batch`` rows (with CFG: both branches, 2 n rows), built with
+    the current tensor mode (under ``FakeTensorMode``: fake tensors, nothing allocated), as the family's
+    ``velocity`` passes them."""
+    n, f = batch, geo.family
+    t = torch.full((n,), 0.5)
+    if f == "sd3":
+        return dict(hidden_states=torch.zeros(n, *geo.latent, dtype=dtype), timestep=t * 1000,
+                    encoder_hidden_states=torch.zeros(n, geo.text, config["joint_attention_dim"], dtype=dtype),
+                    pooled_projections=torch.zeros(n, config["pooled_projection_dim"], dtype=dtype), return_dict=False)
+    if f == "flux":
+        return dict(hidden_states=torch.zeros(n, geo.tokens, config["in_channels"], dtype=dtype), timestep=t,
+                    guidance=torch.full((n,), 3.5) if config.get("guidance_embeds") else None,
+                    pooled_projections=torch.zeros(n, config["pooled_projection_dim"], dtype=dtype),
+                    encoder_hidden_states=torch.zeros(n, geo.text, config["joint_attention_dim"], dtype=dtype),
+                    txt_ids=torch.zeros(geo.text, 3, dtype=dtype), img_ids=torch.zeros(geo.tokens, 3, dtype=dtype),
+                    return_dict=False)
+    if f == "flux2":
+        return dict(hidden_states=torch.zeros(n, geo.tokens, config["in_channels"], dtype=dtype), timestep=t,
+                    guidance=None, encoder_hidden_states=torch.zeros(n, geo.text, config["joint_attention_dim"],
+                                                                     dtype=dtype),
+                    txt_ids=torch.zeros(geo.text, 4, dtype=torch.long), img_ids=torch.zeros(geo.tokens, 4, dtype=torch.long),
+                    return_dict=False)
+    if f == "qwen_image":
+        return dict(hidden_states=torch.zeros(n, *geo.latent, dtype=dtype), timestep=t,
+                    encoder_hidden_states=torch.zeros(n, geo.text, config["joint_attention_dim"], dtype=dtype),
+                    encoder_hidden_states_mask=None, img_shapes=[[(1, *geo.grid)]] * n, return_dict=False)
+    if f == "wan":
+        return dict(hidden_states=torch.zeros(n, *geo.latent, dtype=dtype), timestep=t * 1000,
+                    encoder_hidden_states=torch.zeros(n, geo.text, config["text_dim"], dtype=dtype), return_dict=False)
+    raise ValueError(f"jagg plan: family {f!r} has no memory plan yet")
