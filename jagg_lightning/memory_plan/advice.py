@@ -36,7 +36,7 @@ def advise(plan: MemoryPlan, policy, sampling, grpo, jagg, memory, prompts: int)
     if not policy.gradient_checkpointing:
         again("enable policy.gradient_checkpointing", policy=dataclasses.replace(policy, gradient_checkpointing=True))
     if not setup.sharded and setup.devices > 1:
-        again(f"use FSDP2Strategy (shards the trained networks over {setup.data_parallel} processes)",
+        again(f"use FSDP2Strategy (shards the trained networks over {setup.devices} processes)",
               setup=dataclasses.replace(setup, strategy="fsdp2"))
     if policy.trainable == "full" and setup.sharded and not setup.cpu_offload:
         again("set FSDP2Strategy cpu_offload: true", setup=dataclasses.replace(setup, cpu_offload=True))
@@ -49,14 +49,15 @@ def advise(plan: MemoryPlan, policy, sampling, grpo, jagg, memory, prompts: int)
             if trial.fits:
                 tries.append((f"more devices: {devices * setup.context} with FSDP2Strategy", trial))
                 break
-    if spec.family in CONTEXT_FAMILIES and setup.context == 1:
-        for degree in (2, 4, 8):
-            trial_setup = dataclasses.replace(setup, devices=max(setup.devices, degree) * degree // degree, context=degree)
+    if spec.family in CONTEXT_FAMILIES:  # a higher degree splits one sample's activations further
+        for degree in (d for d in (2, 4, 8, 16) if d > setup.context):
+            trial_setup = dataclasses.replace(setup, devices=max(setup.devices, degree), context=degree)
             if trial_setup.devices % degree:
                 continue
             trial = plan_memory(policy, sampling, grpo, jagg, memory, prompts, trial_setup, spec=spec)
             if trial.fits:
-                tries.append((f"context parallelism of degree {degree} on the {trial_setup.devices} devices", trial))
+                tries.append((f"set trainer.strategy.context_parallel_size: {degree} (on {trial_setup.devices} "
+                              "devices)", trial))
                 break
     tries.sort(key=lambda t: (not t[1].fits, t[1].peak))
     return [f"{text}: {_fits(trial)}" for text, trial in tries]

@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from jagg_lightning.config import image_size
 from jagg_lightning.dtypes import DTYPES, compute_dtype
 from jagg_lightning.jagg import Window
 from jagg_lightning.memory_plan.models import ModelSpec, meta_network, model_spec
-from jagg_lightning.memory_plan.shapes import Geometry, geometry, image_size, transformer_inputs
+from jagg_lightning.memory_plan.shapes import Geometry, geometry, transformer_inputs
 from jagg_lightning.memory_plan.trace import traced_activation_bytes
 from jagg_lightning.passes import fused_graph_steps, fused_samples, pass_plan
 from jagg_lightning.rollout import plan_rollout
@@ -202,7 +203,8 @@ def base_params(spec: ModelSpec) -> int:
 def layout(spec, setup, geo, policy, sampling, grpo, jagg, memory, prompts, traced) -> MemoryPlan:
     """The table from the traced activation bytes and the meta network's parameters (no tracing: cheap to redo for
     another setting)."""
-    experts, shard = spec.experts, setup.data_parallel if setup.sharded else 1
+    # FSDP2 shards over every process, the context ranks too (the flattened mesh, docs/distributed.md)
+    experts, shard = spec.experts, setup.devices if setup.sharded else 1
     dtype, master = traced["dtype"], compute_dtype(traced["dtype"])
     a = traced["per_sample"] / setup.context
     rows: list[Row] = []

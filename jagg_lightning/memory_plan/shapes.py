@@ -14,20 +14,6 @@ from dataclasses import dataclass
 import torch
 
 
-def image_size(resolution, native: tuple[int, int]) -> tuple[int, int]:
-    """(height, width) in pixels of ``policy.resolution``: an int (square), a [H, W] pair, or None (``native``)."""
-    if resolution is None:
-        return native
-    if isinstance(resolution, bool):
-        raise ValueError(f"policy.resolution must be an integer, a [height, width] pair or null, got {resolution!r}")
-    if isinstance(resolution, int):
-        return resolution, resolution
-    if isinstance(resolution, (list, tuple)) and len(resolution) == 2 and all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in resolution):
-        return int(resolution[0]), int(resolution[1])
-    raise ValueError(f"policy.resolution must be an integer, a [height, width] pair or null, got {resolution!r}")
-
-
 @dataclass(frozen=True)
 class Geometry:
     """What one sample is at the configured shape: ``latent`` (the SDE's per-sample shape), ``tokens`` (image or video
