@@ -10,9 +10,10 @@ import http.client
 import json
 import math
 import os
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 
 import torch
 from torch import Tensor
@@ -29,10 +30,11 @@ class RemoteReward(Reward):
 
     Args:
         url: the server's base address, ``http://host:port`` (``https://`` too); ``/score`` is appended.
-        timeout: seconds one attempt may take (connect + score + answer), > 0.
+        timeout: seconds one attempt may take in all -- connect, send, score, the whole answer --, > 0: a watchdog
+            cuts the connection at the deadline, so an answer trickled a byte at a time cannot stretch it.
         retries: further attempts after a timeout, a refused connection or a 429/5xx status, >= 0; attempt
-            i > 0 waits ``backoff * 2**(i - 1)`` seconds (at most 30). 4xx answers are not retried: the
-            same request would be refused again.
+            i > 0 waits ``backoff * 2**(i - 1)`` seconds, or the ``Retry-After`` the server sent if longer (at
+            most 30). 4xx answers are not retried: the same request would be refused again.
         token: the bearer token, literally or as ``env:VAR`` (read from the environment now; only the
             ``env:`` form is recorded in the hyper-parameters, so a checkpoint never holds the secret).
         name: the reward's name (its key among a ``WeightedReward``'s components).
@@ -66,7 +68,6 @@ class RemoteReward(Reward):
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self.encoding, self.name = encoding, name
         self._token = self._resolve_token(token)
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         self.freeze()
 
     def _resolve_token(self, token: str | None) -> str | None:
@@ -93,27 +94,66 @@ class RemoteReward(Reward):
             headers["Authorization"] = f"Bearer {self._token}"
         return headers
 
+    def _attempt(self, path: str, body: bytes | None, content_type: str | None,
+                 timeout: float) -> tuple[int, dict, bytes]:
+        """One request, (status, headers, body), within ``timeout`` seconds in all: a timer shuts the socket at
+        the deadline (each blocking read then ends), and a request past it raises ``TimeoutError``."""
+        parts = urllib.parse.urlsplit(self.url + path)
+        connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        connection = connection_class(parts.hostname, parts.port, timeout=timeout)  # straight there: no proxy
+        expired, opened = threading.Event(), []
+
+        def cut() -> None:
+            expired.set()
+            for sock in opened:  # kept here: the connection drops its own reference once the answer owns it
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        watchdog = threading.Timer(timeout, cut)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            connection.connect()
+            opened.append(connection.sock)
+            if expired.is_set():  # the deadline passed while connecting
+                cut()
+            target = parts.path + (f"?{parts.query}" if parts.query else "")
+            connection.request("GET" if body is None else "POST", target, body=body, headers=self._headers(content_type))
+            answer = connection.getresponse()
+            data = answer.read()
+            if expired.is_set():
+                raise TimeoutError(f"no whole answer within {timeout:g} s")
+            return answer.status, dict(answer.getheaders()), data
+        except (OSError, http.client.HTTPException):
+            if expired.is_set():
+                raise TimeoutError(f"no whole answer within {timeout:g} s") from None
+            raise
+        finally:
+            watchdog.cancel()
+            connection.close()
+
     def _call(self, path: str, body: bytes | None = None, content_type: str | None = None) -> bytes:
         """One request with retries; the answer's body, or one RewardError naming the URL and the last status."""
-        url, last = self.url + path, "no attempt"
+        url, last, wait = self.url + path, "no attempt", 0.0
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(min(self.backoff * 2 ** (attempt - 1), MAX_BACKOFF_S))
-            request = urllib.request.Request(url, data=body, headers=self._headers(content_type),
-                                             method="GET" if body is None else "POST")
+                time.sleep(min(max(self.backoff * 2 ** (attempt - 1), wait), MAX_BACKOFF_S))
+            wait = 0.0
             try:
-                with self._opener.open(request, timeout=self.timeout) as answer:
-                    return answer.read()
-            except urllib.error.HTTPError as err:  # an answer with a 4xx/5xx status
-                detail = _error_text(err)
-                last = f"HTTP {err.code}: {detail}"
-                if err.code not in RETRIED_STATUSES:
-                    raise RewardError(_one_line(f"reward {self.name}: {url} refused the request: {last}")) from None
-            except (urllib.error.URLError, OSError, http.client.HTTPException) as err:  # no (complete) answer
-                reason = getattr(err, "reason", err)
-                last = f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__
-                if body is not None and isinstance(reason, (ConnectionResetError, BrokenPipeError)):
+                status, headers, data = self._attempt(path, body, content_type, self.timeout)
+            except (OSError, http.client.HTTPException) as err:  # no (complete) answer
+                last = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+                if body is not None and isinstance(err, (ConnectionResetError, BrokenPipeError)):
                     self._refuse_if_too_large(len(body))
+                continue
+            if 200 <= status < 300:
+                return data
+            last = f"HTTP {status}: {_error_text(data)}"
+            if status not in RETRIED_STATUSES:
+                raise RewardError(_one_line(f"reward {self.name}: {url} refused the request: {last}"))
+            wait = _retry_after(headers)
         raise RewardError(_one_line(f"reward {self.name}: {url} failed {self.retries + 1} attempt(s) "
                                     f"(timeout {self.timeout:g}s each); last status: {last}"))
 
@@ -122,9 +162,8 @@ class RemoteReward(Reward):
         body is then cut off mid-send and the 413 never arrives. Ask /health for the limit (one try) and
         say so, rather than retrying what cannot succeed."""
         try:
-            request = urllib.request.Request(self.url + "/health", headers=self._headers())
-            with self._opener.open(request, timeout=min(self.timeout, 10.0)) as answer:
-                limit = json.loads(answer.read())["limits"]["max_body_bytes"]
+            status, _, data = self._attempt("/health", None, None, min(self.timeout, 10.0))
+            limit = json.loads(data)["limits"]["max_body_bytes"] if status == 200 else None
         except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError):
             # no answer, or a server without jagg's /health: keep retrying as for any dropped connection
             return
@@ -180,16 +219,21 @@ class RemoteReward(Reward):
         return total, (components if len(components) > 1 else {self.name: total})
 
 
-def _error_text(err: urllib.error.HTTPError) -> str:
+def _error_text(raw: bytes) -> str:
     """The server's ``{"error": ...}`` message, else the start of whatever it answered."""
-    try:
-        raw = err.read(2000)
-    except (OSError, http.client.HTTPException):
-        return err.reason or ""
     try:
         return str(json.loads(raw)["error"])
     except (ValueError, KeyError, TypeError):
-        return raw[:200].decode("utf-8", "replace") or str(err.reason)
+        return raw[:200].decode("utf-8", "replace")
+
+
+def _retry_after(headers: dict) -> float:
+    """Seconds a ``Retry-After`` header asks for (its delta-seconds form; 0 without one or for a date)."""
+    value = next((v for k, v in headers.items() if k.lower() == "retry-after"), "")
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return 0.0
 
 
 def _one_line(text: str) -> str:

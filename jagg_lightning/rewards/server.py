@@ -14,8 +14,15 @@ Safe by default: binds 127.0.0.1; with ``--token_env VAR`` every request must ca
 ``--max_body_mb`` are refused before they are read. Statuses: 400 unreadable body, 401 missing or wrong
 token, 413 body too large, 415 unknown Content-Type, 422 wrong shape / dtype / count / prompts (the
 message names the problem; a reward's own ``ValueError`` about a prompt is a 422 too), 500 the reward
-failed, 503 more than ``--max_concurrency`` requests at once (uvicorn's limit). 5xx are worth retrying,
-4xx are not: :class:`~jagg_lightning.rewards.remote.RemoteReward` does exactly that.
+failed, 503 with ``Retry-After`` when ``--max_concurrency`` score requests are already in flight (decoded or
+waiting to be scored: what bounds the server's memory). 5xx are worth retrying, 4xx are not:
+:class:`~jagg_lightning.rewards.remote.RemoteReward` does exactly that (and waits the ``Retry-After`` it is given).
+
+Hostile input stays a 4xx: JSON nested past the parser's depth (in the body, the prompts, the safetensors header
+or its metadata) is a 400, a PNG decompression bomb a 413, and the decoded pixels of one request are budgeted from
+the headers before any is decoded (``--max_pixels``, default 2^25: two 4096^2 images). After a large request the
+freed memory goes back to the system (``gc`` and glibc's ``malloc_trim``), so a burst does not leave the server
+hundreds of MB larger.
 
 Requests are decoded concurrently but scored one at a time (a lock): reward models are rarely thread-safe
 and a GPU gains nothing from interleaving; each request gets its own answer.
@@ -24,6 +31,8 @@ and a GPU gains nothing from interleaving; each request gets its own answer.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import hmac
 import importlib
 import json
@@ -34,13 +43,25 @@ import sys
 import threading
 
 from jagg_lightning.rewards.registry import REWARD_CLASSES, build_reward, reward_class
-from jagg_lightning.rewards.wire import WireError, decode, from_uint8
+from jagg_lightning.rewards.wire import MAX_PIXELS, WireError, decode, from_uint8
 
 log = logging.getLogger("jagg.serve_reward")
+LARGE_REQUEST = 16 << 20  # bytes of body or decoded pixels after which the freed memory is handed back
+RETRY_AFTER_S = 1
+
+
+def release_memory() -> None:
+    """Hand freed memory back to the system: collect cycles, then glibc's ``malloc_trim`` (the arenas of a large
+    decode otherwise stay mapped; a no-op where there is no glibc)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def build_app(reward, token: str | None = None, max_body_bytes: int = 256 << 20, max_batch: int = 1024,
-              max_side: int = 4096, device: str = "cpu"):
+              max_side: int = 4096, device: str = "cpu", max_pixels: int = MAX_PIXELS, max_concurrency: int = 64):
     """The Starlette app serving ``reward`` (a built :class:`Reward`), limits as in the module docstring."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
@@ -53,10 +74,14 @@ def build_app(reward, token: str | None = None, max_body_bytes: int = 256 << 20,
     described = reward.describe()
     health = {"status": "ok", "reward": reward.name, "class_path": described["class_path"], "version": __version__,
               "reward_version": getattr(reward, "version", None),
-              "limits": {"max_body_bytes": max_body_bytes, "max_batch": max_batch, "max_side": max_side}}
+              "limits": {"max_body_bytes": max_body_bytes, "max_batch": max_batch, "max_side": max_side,
+                         "max_pixels": max_pixels, "max_concurrency": max_concurrency}}
+    in_flight = [0]  # score requests being read, decoded or scored (the event loop's thread alone changes it)
 
     def refuse(status: int, message: str) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        if status == 503:
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
         return JSONResponse({"error": message}, status_code=status, headers=headers)
 
     def authorised(request) -> bool:
@@ -99,22 +124,40 @@ def build_app(reward, token: str | None = None, max_body_bytes: int = 256 << 20,
     async def score_endpoint(request):
         if not authorised(request):
             return refuse(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+        if in_flight[0] >= max_concurrency:
+            return refuse(503, f"{max_concurrency} score requests already in flight (--max_concurrency); retry "
+                               f"after {RETRY_AFTER_S} s")
+        in_flight[0] += 1
         try:
-            body = await read_body(request)
-            array, prompts = await run_in_threadpool(decode, body, request.headers.get("content-type", ""),
-                                                     max_batch, max_side)
-        except WireError as err:
-            return refuse(err.status, str(err))
+            return await answer(request)
+        finally:
+            in_flight[0] -= 1
+
+    async def answer(request):
+        size, body, array = 0, None, None
         try:
-            answer = await run_in_threadpool(score, array, prompts)
-        except Exception as err:  # the reward's own failure
-            # a ValueError (raised directly or wrapped in RewardError) is about the input, e.g. a prompt the
-            # reward cannot score: the client must not retry it, so it is a 4xx
-            if isinstance(err, ValueError) or isinstance(err.__cause__, ValueError):
-                return refuse(422, str(err))
-            log.exception("reward %s failed", reward.name)
-            return refuse(500, f"reward {reward.name} failed: {type(err).__name__}: {err}")
-        return JSONResponse(answer)
+            try:
+                body = await read_body(request)
+                size = len(body)
+                array, prompts = await run_in_threadpool(decode, body, request.headers.get("content-type", ""),
+                                                         max_batch, max_side, max_pixels)
+                size = max(size, array.nbytes * 4)  # the float32 copy the reward scores
+            except WireError as err:
+                return refuse(err.status, str(err))
+            try:
+                scored = await run_in_threadpool(score, array, prompts)
+            except Exception as err:  # the reward's own failure
+                # a ValueError (raised directly or wrapped in RewardError) is about the input, e.g. a prompt the
+                # reward cannot score: the client must not retry it, so it is a 4xx
+                if isinstance(err, ValueError) or isinstance(err.__cause__, ValueError):
+                    return refuse(422, str(err))
+                log.exception("reward %s failed", reward.name)
+                return refuse(500, f"reward {reward.name} failed: {type(err).__name__}: {err}")
+            return JSONResponse(scored)
+        finally:
+            body = array = None  # noqa: F841 -- dropped before the memory is handed back
+            if size > LARGE_REQUEST:
+                await run_in_threadpool(release_memory)
 
     return Starlette(routes=[Route("/health", health_endpoint, methods=["GET"]),
                              Route("/score", score_endpoint, methods=["POST"])])
@@ -145,8 +188,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max_body_mb", type=float, default=256.0, help="largest request body, MiB (default 256)")
     p.add_argument("--max_batch", type=int, default=1024, help="most images per request (default 1024)")
     p.add_argument("--max_side", type=int, default=4096, help="largest image height or width (default 4096)")
+    p.add_argument("--max_pixels", type=int, default=MAX_PIXELS,
+                   help=f"most decoded pixels (B x H x W) in one request (default {MAX_PIXELS}: two 4096^2 images)")
     p.add_argument("--max_concurrency", type=int, default=64,
-                   help="open requests beyond this get 503 (uvicorn's limit_concurrency; default 64)")
+                   help="score requests in flight beyond this get 503 with Retry-After (default 64)")
     p.add_argument("--device", default="cpu", help="torch device the reward runs on (default cpu)")
     return p
 
@@ -163,7 +208,7 @@ def _check(args) -> tuple[dict, str | None]:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if not args.max_body_mb > 0:
         raise ValueError(f"--max_body_mb must be > 0, got {args.max_body_mb}")
-    for field in ("max_batch", "max_side", "max_concurrency"):
+    for field in ("max_batch", "max_side", "max_pixels", "max_concurrency"):
         if getattr(args, field) < 1:
             raise ValueError(f"--{field} must be >= 1, got {getattr(args, field)}")
     token = None
@@ -203,7 +248,8 @@ def serve_main(argv: list[str]) -> int:
     except (ValueError, TypeError, FileNotFoundError, ImportError) as err:
         print(f"jagg serve-reward: error: cannot build reward {args.reward!r}: {err}", file=sys.stderr)
         return 2
-    app = build_app(reward, token, int(args.max_body_mb * (1 << 20)), args.max_batch, args.max_side, args.device)
+    app = build_app(reward, token, int(args.max_body_mb * (1 << 20)), args.max_batch, args.max_side, args.device,
+                    args.max_pixels, args.max_concurrency)
     try:
         sock = _bind(args.host, args.port)
     except OSError as err:
@@ -217,6 +263,6 @@ def serve_main(argv: list[str]) -> int:
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     print(f"jagg serve-reward: {reward.name} on {url}", flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            limit_concurrency=args.max_concurrency, timeout_graceful_shutdown=5)
+                            limit_concurrency=args.max_concurrency + 16, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -77,18 +77,41 @@ def encode(images: Tensor, prompts: list[str], encoding: str = "safetensors") ->
     raise ValueError(f"encoding must be one of {list(ENCODINGS)}, got {encoding!r}")
 
 
-def decode(body: bytes, content_type: str, max_batch: int, max_side: int) -> tuple[np.ndarray, list[str]]:
-    """A request body -> (uint8 [B, H, W, 3], B prompts), or a :class:`WireError` naming what is wrong."""
+MAX_PIXELS = 1 << 25  # decoded pixels one request may hold: 2 images of 4096^2, 32 of 1024^2 (~100 MB as uint8)
+
+
+def decode(body: bytes, content_type: str, max_batch: int, max_side: int,
+           max_pixels: int = MAX_PIXELS) -> tuple[np.ndarray, list[str]]:
+    """A request body -> (uint8 [B, H, W, 3], B prompts), or a :class:`WireError` naming what is wrong. What the
+    pixels will cost is checked from the headers before any is decoded: ``max_pixels`` over the whole batch (a
+    131 kB request of two 4096^2 PNGs would otherwise decode to gigabytes)."""
     kind = content_type.split(";")[0].strip().lower()
     if kind in (SAFETENSORS, "application/octet-stream"):
-        array, prompts = _decode_safetensors(body, max_batch, max_side)
+        array, prompts = _decode_safetensors(body, max_batch, max_side, max_pixels)
     elif kind == JSON:
-        array, prompts = _decode_json(body, max_batch, max_side)
+        array, prompts = _decode_json(body, max_batch, max_side, max_pixels)
     else:
         raise WireError(415, f"Content-Type must be {SAFETENSORS} or {JSON}, got {content_type!r}")
     if array.shape[0] != len(prompts):
         raise WireError(422, f"got {array.shape[0]} images but {len(prompts)} prompts; send one prompt per image")
     return array, prompts
+
+
+def _loads(data, what: str):
+    """JSON of a request part, or a 400 naming it: malformed, not UTF-8, or nested too deeply for the parser (a
+    RecursionError would otherwise be a 500, which a client retries)."""
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WireError(400, f"{what} is not JSON: {err}") from None
+    except RecursionError:
+        raise WireError(400, f"{what} is JSON nested too deeply") from None
+
+
+def _check_pixels(count: int, max_pixels: int) -> None:
+    if count > max_pixels:
+        raise WireError(413, f"the images hold {count} pixels in all, over the server's limit of {max_pixels} "
+                             f"(--max_pixels); send smaller batches")
 
 
 def _check_prompts(prompts, max_batch: int) -> list[str]:
@@ -101,24 +124,23 @@ def _check_prompts(prompts, max_batch: int) -> list[str]:
 
 
 def _check_shape(shape, max_side: int) -> None:
-    if len(shape) != 4 or shape[3] != 3:
-        raise WireError(422, f"images must have shape [B, H, W, 3] (RGB, channels last), got {list(shape)}")
+    if not isinstance(shape, (list, tuple)) or len(shape) != 4 or shape[3] != 3 or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in shape):
+        shown = list(shape) if isinstance(shape, (list, tuple)) else shape
+        raise WireError(422, f"images must have shape [B, H, W, 3] (RGB, channels last), got {shown!r:.200}")
     if not (1 <= shape[1] <= max_side and 1 <= shape[2] <= max_side):
         raise WireError(422, f"image height and width must be in [1, {max_side}] (the server's --max_side), "
                              f"got {shape[1]}x{shape[2]}")
 
 
-def _decode_safetensors(body: bytes, max_batch: int, max_side: int) -> tuple[np.ndarray, list[str]]:
+def _decode_safetensors(body: bytes, max_batch: int, max_side: int, max_pixels: int) -> tuple[np.ndarray, list[str]]:
     # read the header first, so a wrong dtype or shape is named before any tensor is built
     if len(body) < 8:
         raise WireError(400, "body is not a safetensors file (shorter than its 8-byte header length)")
     (size,) = struct.unpack("<Q", body[:8])
     if size > len(body) - 8:
         raise WireError(400, f"body is not a safetensors file (header length {size} exceeds the body)")
-    try:
-        header = json.loads(body[8:8 + size])
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise WireError(400, f"body is not a safetensors file (header is not JSON: {err})") from None
+    header = _loads(body[8:8 + size], "the safetensors header (body is not a safetensors file)")
     if not isinstance(header, dict):
         raise WireError(400, "body is not a safetensors file (header is not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
@@ -128,12 +150,13 @@ def _decode_safetensors(body: bytes, max_batch: int, max_side: int) -> tuple[np.
     if not isinstance(info, dict) or info.get("dtype") != "U8":
         dtype = info.get("dtype") if isinstance(info, dict) else info
         raise WireError(422, f"images must have dtype U8 (uint8, 0-255), got {dtype!r}")
-    _check_shape(info.get("shape", []), max_side)
-    try:
-        prompts = json.loads(metadata.get("prompts", "null"))
-    except json.JSONDecodeError as err:
-        raise WireError(422, f"metadata 'prompts' must be a JSON array of strings ({err})") from None
+    shape = info.get("shape", [])
+    _check_shape(shape, max_side)
+    if not isinstance(metadata, dict) or not isinstance(metadata.get("prompts", "null"), str):
+        raise WireError(422, "metadata 'prompts' must be a JSON array of strings")
+    prompts = _loads(metadata.get("prompts", "null"), "metadata 'prompts'")
     _check_prompts(prompts, max_batch)
+    _check_pixels(int(shape[0]) * int(shape[1]) * int(shape[2]), max_pixels)
     from safetensors import SafetensorError
     from safetensors.numpy import load
 
@@ -144,13 +167,10 @@ def _decode_safetensors(body: bytes, max_batch: int, max_side: int) -> tuple[np.
     return array, prompts
 
 
-def _decode_json(body: bytes, max_batch: int, max_side: int) -> tuple[np.ndarray, list[str]]:
+def _decode_json(body: bytes, max_batch: int, max_side: int, max_pixels: int) -> tuple[np.ndarray, list[str]]:
     from PIL import Image, UnidentifiedImageError
 
-    try:
-        request = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise WireError(400, f"body is not JSON: {err}") from None
+    request = _loads(body, "body")
     if not isinstance(request, dict) or set(request) != {"prompts", "images"}:
         raise WireError(422, 'the JSON body must be {"prompts": [...], "images": [base64 PNG, ...]}')
     prompts = _check_prompts(request["prompts"], max_batch)
@@ -159,19 +179,26 @@ def _decode_json(body: bytes, max_batch: int, max_side: int) -> tuple[np.ndarray
         raise WireError(422, "images must be a JSON array of base64-encoded PNG strings")
     if len(pngs) != len(prompts):
         raise WireError(422, f"got {len(pngs)} images but {len(prompts)} prompts; send one prompt per image")
-    arrays = []
-    for i, text in enumerate(pngs):
+    opened, pixels = [], 0
+    for i, text in enumerate(pngs):  # every header first: nothing is decompressed before the whole batch is checked
         try:
             image = Image.open(io.BytesIO(base64.b64decode(text, validate=True)), formats=["PNG"])
         except (binascii.Error, UnidentifiedImageError) as err:
             raise WireError(400, f"images[{i}] is not a base64-encoded PNG ({err})") from None
+        except Image.DecompressionBombError as err:  # PIL's own guard, from the header: far past any limit here
+            raise WireError(413, f"images[{i}] is a decompression bomb ({err})") from None
         width, height = image.size  # from the header, before the pixels are decompressed
         _check_shape((len(pngs), height, width, 3), max_side)
+        pixels += width * height
+        _check_pixels(pixels, max_pixels)
         if image.mode != "RGB":
             raise WireError(422, f"images[{i}] must be 8-bit RGB, got PNG mode {image.mode!r}")
-        if arrays and (height, width) != arrays[0].shape[:2]:
+        if opened and image.size != opened[0].size:
             raise WireError(422, f"images[{i}] is {height}x{width} but images[0] is "
-                                 f"{arrays[0].shape[0]}x{arrays[0].shape[1]}; a batch has one size")
+                                 f"{opened[0].size[1]}x{opened[0].size[0]}; a batch has one size")
+        opened.append(image)
+    arrays = []
+    for i, image in enumerate(opened):
         try:
             arrays.append(np.asarray(image, dtype=np.uint8))
         except OSError as err:  # a truncated or corrupt PNG fails only when its pixels are read

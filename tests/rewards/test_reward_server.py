@@ -46,7 +46,8 @@ DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight"
 
 def start_server(*args: str, port: int = 0, env: dict | None = None, log=None) -> tuple[subprocess.Popen, str]:
     """``python -m jagg_lightning serve-reward`` on 127.0.0.1; returns once its ready line names the URL."""
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "support"),
+                                                               os.environ.get("PYTHONPATH", "")]),
                    "OMP_NUM_THREADS": "1", **(env or {})}
     process = subprocess.Popen([sys.executable, "-m", "jagg_lightning", "serve-reward", *args, "--host", "127.0.0.1",
                                 "--port", str(port)], cwd=REPO, env=environment, stdout=subprocess.PIPE,
@@ -95,15 +96,38 @@ def batch(seed: int, size: int, side: int = 32):
     return images, [f"the number {DIGITS[d]}" if i % 2 else f"a handwritten digit {d}" for i, d in enumerate(digits)]
 
 
-def post(url: str, body: bytes, content_type: str = "application/vnd.safetensors", token: str | None = TOKEN):
-    """A raw request; (status, decoded JSON answer)."""
+def post(url: str, body: bytes, content_type: str = "application/vnd.safetensors", token: str | None = TOKEN,
+         headers_out: dict | None = None):
+    """A raw request; (status, decoded JSON answer); ``headers_out`` receives the answer's headers."""
     headers = {"Content-Type": content_type, **({"Authorization": f"Bearer {token}"} if token else {})}
     request = urllib.request.Request(url + "/score", data=body, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=30) as answer:
             return answer.status, json.loads(answer.read())
     except urllib.error.HTTPError as err:
+        if headers_out is not None:
+            headers_out.update(err.headers.items())
         return err.code, json.loads(err.read())
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that declares ``width`` x ``height`` 8-bit RGB and holds no pixels: what a decompression bomb or a
+    pixel-budget attack looks like before anything is decompressed (a few dozen bytes)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00")) + chunk(b"IEND", b"")
+
+
+def png_json(*pngs: bytes) -> bytes:
+    import base64
+
+    return json.dumps({"prompts": ["digit 1"] * len(pngs),
+                       "images": [base64.b64encode(p).decode() for p in pngs]}).encode()
 
 
 @pytest.mark.subprocess
@@ -182,6 +206,72 @@ def test_refusals_get_the_documented_4xx(server):
 
 @pytest.mark.subprocess
 @pytest.mark.slow
+def test_hostile_bodies_are_4xx_not_500(server):
+    """JSON nested past the parser's depth -- in the body, the prompts, the safetensors header or its metadata --,
+    a PNG decompression bomb and a tiny request whose headers declare more pixels than the budget: each a 4xx
+    naming it (a 500 would make RemoteReward retry it), and the server answers the next good request."""
+    deep = "[" * 100_000 + "]" * 100_000
+    images = np.zeros((1, 8, 8, 3), np.uint8)
+
+    def safetensors_with_header(header: str) -> bytes:
+        raw = header.encode()
+        return len(raw).to_bytes(8, "little") + raw + images.tobytes()
+
+    cases = [
+        (deep.encode(), "application/json", 400, "body is JSON nested too deeply"),
+        (('{"prompts": ' + deep + ', "images": []}').encode(), "application/json", 400, "nested too deeply"),
+        (save({"images": images}, metadata={"prompts": deep}), "application/vnd.safetensors", 400,
+         "metadata 'prompts' is JSON nested too deeply"),
+        (safetensors_with_header('{"images": ' + deep + "}"), "application/vnd.safetensors", 400,
+         "the safetensors header (body is not a safetensors file) is JSON nested too deeply"),
+        (safetensors_with_header('{"__metadata__": {"prompts": 3}, "images": {"dtype": "U8", "shape": [1, 8, 8, 3], '
+                                 '"data_offsets": [0, 192]}}'), "application/vnd.safetensors", 422,
+         "metadata 'prompts' must be a JSON array of strings"),
+        (png_json(png_header(20000, 20000)), "application/json", 413, "images[0] is a decompression bomb"),
+        # 3 x 4096^2 declared in a few hundred bytes: each side within --max_side, the sum past --max_pixels
+        (png_json(*[png_header(4096, 4096)] * 3), "application/json", 413, f"over the server's limit of {1 << 25}"),
+        (safetensors_with_header('{"__metadata__": {"prompts": "[\\"1\\", \\"2\\", \\"3\\"]"}, "images": '
+                                 '{"dtype": "U8", "shape": [3, 4096, 4096, 3], "data_offsets": [0, 192]}}'),
+         "application/vnd.safetensors", 413, "(--max_pixels)"),
+    ]
+    for body, content_type, want_status, words in cases:
+        status, answer = post(server, body, content_type)
+        assert (status, words in answer["error"]) == (want_status, True), (status, answer, words)
+    good = save({"images": images}, metadata={"prompts": json.dumps(["digit 1"])})
+    assert post(server, good)[0] == 200
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_requests_past_the_in_flight_limit_get_503_with_retry_after_and_the_client_waits_it():
+    """--max_concurrency 1 and a reward that takes 1.5 s: a second request while the first is scored is a 503 with
+    Retry-After, at once; RemoteReward waits the Retry-After (longer than its own backoff) and then gets its
+    answer."""
+    process, url = start_server("--reward", "helpers.SlowJpeg", "--init_args", '{"seconds": 1.5}',
+                                "--max_concurrency", "1")
+    try:
+        images, prompts = batch(11, 1)
+        body = save({"images": (images.permute(0, 2, 3, 1) * 255).round().to(torch.uint8).numpy()},
+                    metadata={"prompts": json.dumps(prompts)})
+        first = ThreadPoolExecutor(1).submit(post, url, body, token=None)
+        time.sleep(0.5)  # the first is being scored
+        headers, started = {}, time.monotonic()
+        status, answer = post(url, body, token=None, headers_out=headers)
+        assert status == 503 and "already in flight (--max_concurrency)" in answer["error"]
+        assert headers.get("retry-after", headers.get("Retry-After")) == "1" and time.monotonic() - started < 1.0
+        assert first.result(timeout=30)[0] == 200
+        remote = RemoteReward(url, retries=3, backoff=0.01, timeout=10)
+        busy = ThreadPoolExecutor(1).submit(post, url, body, token=None)
+        time.sleep(0.5)
+        started = time.monotonic()
+        assert remote(images, prompts).shape == (1,)  # after one 503 and a wait of its Retry-After
+        assert time.monotonic() - started >= 1.0 and busy.result(timeout=30)[0] == 200
+    finally:
+        stop(process)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_remote_reward_is_a_reward_like_any_other(server, token):
     images, prompts = batch(7, 4)
     inner = RemoteReward(server, token=token, name="served", retries=0)
@@ -236,6 +326,7 @@ class Foreign(BaseHTTPRequestHandler):
 
     script: ClassVar[list] = []
     seen: ClassVar[list] = []
+    trickle: ClassVar[float] = 0.0  # > 0: the answer's body is sent one byte per that many seconds
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
@@ -247,8 +338,16 @@ class Foreign(BaseHTTPRequestHandler):
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if status == 503:
+                self.send_header("Retry-After", "1")
             self.end_headers()
-            self.wfile.write(data)
+            if self.trickle:
+                for i in range(len(data)):
+                    self.wfile.write(data[i:i + 1])
+                    self.wfile.flush()
+                    time.sleep(self.trickle)
+            else:
+                self.wfile.write(data)
         except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
             pass
 
@@ -271,6 +370,20 @@ def test_timeouts_and_5xx_are_retried_bad_answers_refused(foreign):
     Foreign.seen, Foreign.script = [], [(503, 0, {"error": "busy"}), (200, 1.0, good), (200, 0, good)]
     scores = RemoteReward(foreign, retries=2, backoff=0.05, timeout=0.3)(images, prompts)
     assert scores.tolist() == [0.5, 1.0, 1.5] and len(Foreign.seen) == 3  # 503, timeout, answer
+
+    # timeout bounds the whole attempt: an answer trickled a byte every 0.2 s is cut at 1 s, not read for 8 s
+    Foreign.seen, Foreign.script, Foreign.trickle = [], [(200, 0, good)], 0.2
+    started = time.monotonic()
+    with pytest.raises(RewardError, match=r"failed 1 attempt\(s\) \(timeout 1s each\).*TimeoutError"):
+        RemoteReward(foreign, retries=0, timeout=1.0)(images, prompts)
+    assert time.monotonic() - started < 2.0
+    Foreign.trickle = 0.0
+
+    # a 503's Retry-After (1 s) is waited when it is longer than the backoff
+    Foreign.seen, Foreign.script = [], [(503, 0, {"error": "busy"}), (200, 0, good)]
+    started = time.monotonic()
+    assert RemoteReward(foreign, retries=1, backoff=0.01)(images, prompts).tolist() == [0.5, 1.0, 1.5]
+    assert time.monotonic() - started >= 1.0
 
     Foreign.seen, Foreign.script = [], [(500, 0, {"error": "model fell over"})]
     failed = rf"{foreign}/score failed 2 attempt\(s\).*last status: HTTP 500: model fell over"

@@ -97,3 +97,20 @@ class Float64Jpeg(JpegCompressibility):
 def float64_reward(dtype) -> Float64Jpeg | str:
     """The JPEG reward at the test's precision: float64 for a float64 run, else the registered one."""
     return Float64Jpeg() if dtype in ("float64", torch.float64) else "jpeg_compressibility"
+
+
+class SlowJpeg(JpegCompressibility):
+    """JPEG compressibility that takes ``seconds`` per call: a served reward busy long enough for the reward server's
+    in-flight limit to be seen (tests/rewards/test_reward_server.py)."""
+
+    name = "slow_jpeg"
+
+    def __init__(self, seconds: float = 1.0):
+        super().__init__()
+        self.seconds = float(seconds)
+
+    def score(self, images, prompts):
+        import time
+
+        time.sleep(self.seconds)
+        return super().score(images, prompts)
