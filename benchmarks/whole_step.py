@@ -81,43 +81,13 @@ def build_wan(path: Path) -> None:
     pipe.save_pretrained(path)
 
 
-class SavedTensorPeak:
-    """The peak bytes of tensors held by autograd graphs (saved for backward) while active."""
-
-    class _Held:
-        __slots__ = ("tensor", "__weakref__")
-
-        def __init__(self, tensor):
-            self.tensor = tensor
-
-    def __init__(self, exclude: set[int]):
-        self.exclude, self.live, self.peak = exclude, 0, 0
-
-    def _release(self, size: int) -> None:
-        self.live -= size
-
-    def pack(self, t):
-        import weakref
-
-        if t.untyped_storage().data_ptr() in self.exclude:
-            return t
-        held, size = self._Held(t), t.numel() * t.element_size()
-        self.live += size
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(held, self._release, size)
-        return held
-
-    @staticmethod
-    def unpack(held):
-        return held.tensor if isinstance(held, SavedTensorPeak._Held) else held
-
-
 def child(args) -> None:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import Callback
 
     from jagg_lightning.data import PromptDataModule
+    from jagg_lightning.memory_plan.trace import SavedTensorPeak, weight_keys
     from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
     from jagg_lightning.policies import PolicyConfig
 
@@ -160,7 +130,7 @@ def child(args) -> None:
                              (module, "step_optimizer", "optim")]:
         timed(obj, name, phase)
 
-    weights = {p.untyped_storage().data_ptr() for p in module.policy.parameters()}
+    weights = weight_keys(module.policy)  # the tracker `jagg plan` is validated with (storages counted once)
 
     class StepTimer(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
