@@ -8,8 +8,9 @@ HTTP, :mod:`jagg_lightning.rewards.server`) and ``plan`` (the memory of a config
 What the CLI adds to LightningCLI:
 
 - the ``lora_export`` section (the adapter is always written at the end of fit);
-- crash-safe checkpoints (:class:`AtomicCheckpointIO`) unless the user gives their own checkpoint plugin,
-  added at trainer construction so that every saved or printed config stays re-runnable;
+- crash-safe checkpoints (:class:`AtomicCheckpointIO`) unless the user gives their own checkpoint plugin, and
+  :class:`Preemption` (SIGTERM / SIGUSR1: a checkpoint at the next safe point, exit status 128 + signal) unless the
+  config names one, added at trainer construction so that every saved or printed config stays re-runnable;
 - ``--ckpt_path`` with ``--model.*`` overrides: LightningCLI would silently replace them with the
   checkpoint's hyper-parameters. Here overrides of settings that do not change what the checkpoint holds
   (sampling, grpo, jagg, reward, ...) apply; the others stop the run with a message naming them;
@@ -18,6 +19,7 @@ What the CLI adds to LightningCLI:
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -25,9 +27,10 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from jagg_lightning import __version__
-from jagg_lightning.callbacks import LoRAExport, PredictionImages
+from jagg_lightning.callbacks import LoRAExport, Preemption, PredictionImages
 from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.callbacks.progress import StepProgressBar
 from jagg_lightning.cli_errors import (
@@ -38,6 +41,7 @@ from jagg_lightning.data import PromptDataModule
 from jagg_lightning.checks import PolicyBuildError, check_precision
 from jagg_lightning.context_parallel import ContextParallelError
 from jagg_lightning.module import JAGGModule
+from jagg_lightning.preemption import EXIT_BASE
 from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.state import CheckpointMismatchError
 from jagg_lightning.quiet import quiet_defaults
@@ -178,6 +182,8 @@ class JAGGCLI(LightningCLI):
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(StepProgressBar())
+        if self.subcommand == "fit" and not any(isinstance(c, Preemption) for c in callbacks):
+            callbacks.append(Preemption())  # a scheduler's signal: a checkpoint and a non-zero exit status
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in callbacks):
             callbacks.append(PredictionImages())  # predictions are images: write them
         try:
@@ -271,6 +277,8 @@ def main() -> None:
     except RewardError as err:  # a reward (a server) failed: its one line, not a traceback; checkpoints are intact
         print(f"jagg: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
+    except SIGTERMException:  # Lightning's own stop on SIGTERM is a SystemExit with status 0: not a success
+        raise SystemExit(EXIT_BASE + signal.SIGTERM) from None
 
 
 if __name__ == "__main__":

@@ -86,6 +86,15 @@ class Collectives:
             return self.sum(tensor.clone()).div_(self.data_size)
         return self.trainer.strategy.reduce(tensor, reduce_op="mean")
 
+    def max_over_world(self, value: int) -> int:
+        """The largest ``value`` over every process (one all-reduce of one number; identity on one process): a
+        decision all processes must make alike, such as stopping at a safe point."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.trainer.strategy.root_device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return int(tensor.item())
+
     def max_count_if_sharded(self, count: Tensor) -> Tensor:
         """The largest ``count`` over the processes under a sharded strategy (FSDP2 gathers its weights inside
         every pass, so every process must make as many passes); ``count`` itself otherwise (DDP's backward

@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from jagg_lightning import state
+from jagg_lightning import preemption, state
 from jagg_lightning.checks import check, check_learning_rates, check_optimizer, check_precision, default_optimizer
 from jagg_lightning.collectives import Collectives, destroy_process_group_at_exit
 from jagg_lightning.config import EvalConfig, GRPOConfig, JAGGConfig, MemoryConfig, SamplingConfig, as_config, check_sections
@@ -229,7 +229,8 @@ class JAGGModule(L.LightningModule):
                                         self.policy.expert_starts(self.sampler.times))
         self.windows = plan.windows
         collectives = Collectives(self.trainer)
-        hooks = UpdateHooks(self.manual_backward, functools.partial(self.step_optimizer, collectives), collectives)
+        hooks = UpdateHooks(self.manual_backward, functools.partial(self.step_optimizer, collectives), collectives,
+                            functools.partial(preemption.check, collectives.max_over_world, step))
         # rollout -> rewards -> advantages -> routed update -> optimizer step(s), fused or not (update.py)
         report = self.updater.step(prompts, indices, step, plan, self.reward_fn, hooks)
         self._record_step(report, collectives)

@@ -39,11 +39,14 @@ _ROUTING_STREAM, _CONTROL_STREAM = -4, -5  # sample_seed streams of the random r
 @dataclass
 class UpdateHooks:
     """What the update needs from the training loop: the backward call (Lightning's ``manual_backward``), the
-    optimizer step that follows an update's backward passes, and the collectives of the processes."""
+    optimizer step that follows an update's backward passes, the collectives of the processes, and the safe point
+    (``safe_point(where)``: it may raise to abandon the step; called on every process alike, only before the step's
+    first optimizer step, so an abandoned step has changed nothing that a checkpoint holds)."""
 
     backward: Callable[[Tensor], None] = Tensor.backward
     optimizer_step: Callable[[], None] = lambda: None
     collectives: Collectives = field(default_factory=Collectives)
+    safe_point: Callable[[str], None] = lambda where: None
 
 
 @dataclass
@@ -261,7 +264,9 @@ class Updater:
         sample_prompts = [p for p in prompts for _ in range(self.sampling.group_size)]
         report = StepReport(cond)
         ahead = (1 if self.sampler.reward_workers else 0) if fused else None  # unfused: the update needs them all
-        for scored in self.sampler.scored(rollout, reward, sample_prompts, ahead):
+        for index, scored in enumerate(self.sampler.scored(rollout, reward, sample_prompts, ahead)):
+            # the same micro-batches on every process: a stop here is agreed by all of them
+            hooks.safe_point(f"rollout micro-batch {index + 1} (sampled and scored)")
             report.add_scored(scored)
             if not fused:
                 continue
@@ -276,6 +281,7 @@ class Updater:
             hooks.optimizer_step()
             report.micro_batches = -(-len(sample_prompts) // self.sampling.rollout_batch_size)
         else:
+            hooks.safe_point("the rollout's end, before the update")
             self.update_rollout(report, plan, taken, step, reward, hooks)
         return report
 

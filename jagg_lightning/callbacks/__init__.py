@@ -5,10 +5,11 @@ from jagg_lightning.callbacks.digit_accuracy import DigitAccuracy
 from jagg_lightning.callbacks.exactness import ExactnessDiagnostics
 from jagg_lightning.callbacks.lora_export import LoRAExport, export_lora, lora_state_dict
 from jagg_lightning.callbacks.predictions import PredictionImages
+from jagg_lightning.callbacks.preemption import Preemption
 from jagg_lightning.callbacks.reward_watch import RewardHackingWatch
 from jagg_lightning.callbacks.routing import RoutingStats
 from jagg_lightning.callbacks.samples import SampleImages
 from jagg_lightning.images import log_image
 
-__all__ = ["AtomicCheckpointIO", "DigitAccuracy", "ExactnessDiagnostics", "LoRAExport", "PredictionImages",
+__all__ = ["AtomicCheckpointIO", "DigitAccuracy", "ExactnessDiagnostics", "LoRAExport", "Preemption", "PredictionImages",
            "RewardHackingWatch", "RoutingStats", "SampleImages", "export_lora", "log_image", "lora_state_dict"]
