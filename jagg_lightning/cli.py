@@ -35,6 +35,7 @@ from jagg_lightning.cli_errors import (
     strategy_error,
 )
 from jagg_lightning.data import PromptDataModule
+from jagg_lightning.io import WriteError
 from jagg_lightning.checks import PolicyBuildError, check_precision
 from jagg_lightning.context_parallel import ContextParallelError
 from jagg_lightning.module import JAGGModule
@@ -269,6 +270,9 @@ def main() -> None:
     try:
         cli_main()
     except RewardError as err:  # a reward (a server) failed: its one line, not a traceback; checkpoints are intact
+        print(f"jagg: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except WriteError as err:  # a checkpoint or export could not be written (a full disk): the previous one is intact
         print(f"jagg: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
 
