@@ -64,12 +64,12 @@ def test_write_past_a_file_size_limit_keeps_the_previous_one(kind, tmp_path, rng
     limit = sizes[-1] * 3 // 4  # the largest file fails part-way; the smaller ones before it are written whole
     proc = run_child(kind, str(target), str(seed + 1), str(limit))
     assert proc.returncode == 3, proc.stdout + proc.stderr[-3000:]
-    error = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert error["type"] == "WriteError", error
-    assert repr(str(target)) in error["message"] and "File too large" in error["message"], error
     assert digests(folder) == before  # byte for byte, and nothing beside it (no temporary file or folder)
     assert not temps(tmp_path)
     check_previous_loads(kind, target, previous)
+    error = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert error["type"] == "WriteError", error
+    assert repr(str(target)) in error["message"] and "File too large" in error["message"], error
 
 
 KILLED = textwrap.dedent('''
@@ -80,12 +80,15 @@ KILLED = textwrap.dedent('''
     kind, target, seed, moment = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     what = build(kind, seed)
     die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
-    if moment == "between_renames":  # a filesystem without RENAME_EXCHANGE; killed after target -> .old
+    if moment == "between_renames":  # no RENAME_EXCHANGE (NFS, Lustre); killed once target went to .old
         io.exchange = lambda a, b: False
-        rename = os.rename
-        os.rename = lambda src, dst: die() if Path(dst) == target else rename(src, dst)
-    else:  # killed when the new one is written whole, before it replaces the previous one
-        io.fsync_path = die
+        kills = lambda src, dst: Path(dst) == target
+    else:  # killed when the new one is written whole, as it is about to replace the previous one
+        io.exchange = die
+        kills = lambda src, dst: target in (Path(src), Path(dst))
+    def killing(real):
+        return lambda src, dst, *a, **k: die() if kills(src, dst) else real(src, dst, *a, **k)
+    os.rename, os.replace = killing(os.rename), killing(os.replace)
     write(kind, what, target, seed)
 ''')
 
