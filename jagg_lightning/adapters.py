@@ -19,7 +19,8 @@ An export directory holds
                                       ``policy.adapter`` reads them back beside ``peft/`` / ``diffusers/``
                                       (:func:`read_adapters`)
 
-Every export is built in a temporary directory and renamed into place: a crash never leaves half an adapter.
+Every export is built in a temporary directory and renamed into place (:mod:`jagg_lightning.io`): a failed or killed
+write never leaves half an adapter, and the previous one stays where it was.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from jagg_lightning.assets import find_local
 from jagg_lightning.checks import PolicyBuildError
 from jagg_lightning.dtypes import compute_dtype
 from jagg_lightning.export import full_identity
-from jagg_lightning.io import atomic_directory
+from jagg_lightning.io import atomic_directory, readable_path
 from jagg_lightning.sharding import full_tensor
 
 PEFT_DIR = "peft"
@@ -118,8 +119,9 @@ ADAPTER_WEIGHTS = {PEFT_DIR: "adapter_model.safetensors", DIFFUSERS_DIR: "pytorc
 
 def adapter_format(path: str | Path, field: str = "policy.adapter") -> tuple[str, Path]:
     """("peft" | "diffusers", the folder holding its weights) for an export folder (``.../lora/final``: its
-    ``peft/`` is read), a ``peft/`` folder, a ``diffusers/`` folder or a diffusers ``.safetensors`` file."""
-    path = Path(path)
+    ``peft/`` is read), a ``peft/`` folder, a ``diffusers/`` folder or a diffusers ``.safetensors`` file (read where
+    a killed export left it: :func:`~jagg_lightning.io.readable_path`)."""
+    path = readable_path(path)
     if path.is_file() and path.suffix == ".safetensors":
         return DIFFUSERS_DIR, path.parent
     for kind, folder in ((PEFT_DIR, path / PEFT_DIR), (DIFFUSERS_DIR, path / DIFFUSERS_DIR), (PEFT_DIR, path),
@@ -135,7 +137,7 @@ def adapter_files(path: str | Path, field: str = "policy.adapter") -> tuple[str,
     :func:`adapter_format` finds) and, where the folder sits in an export's layout (named ``peft`` or
     ``diffusers``), each further network's from the sibling ``<kind>_<name>/`` (Wan2.2's ``transformer_2``)."""
     kind, folder = adapter_format(path, field)
-    path = Path(path)
+    path = readable_path(path)
     files = {"transformer": path if path.is_file() else folder / ADAPTER_WEIGHTS[kind]}
     if folder.name == kind:
         for sibling in sorted(folder.parent.glob(kind + "_*")):

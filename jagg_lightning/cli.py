@@ -38,6 +38,7 @@ from jagg_lightning.cli_errors import (
     strategy_error,
 )
 from jagg_lightning.data import PromptDataModule
+from jagg_lightning.io import WriteError
 from jagg_lightning.checks import PolicyBuildError, check_precision
 from jagg_lightning.context_parallel import ContextParallelError
 from jagg_lightning.module import JAGGModule
@@ -274,7 +275,9 @@ def main() -> None:
         raise SystemExit(plan_main(sys.argv[2:], parse_config))
     try:
         cli_main()
-    except RewardError as err:  # a reward (a server) failed: its one line, not a traceback; checkpoints are intact
+    # a reward (a server) failed, or a checkpoint / export could not be written (a full disk): one line, no traceback;
+    # the checkpoints and adapters written before are intact
+    except (RewardError, WriteError) as err:
         print(f"jagg: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
     except SIGTERMException:  # Lightning's own stop on SIGTERM is a SystemExit with status 0: not a success

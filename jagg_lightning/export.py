@@ -17,12 +17,12 @@ the pipeline). Under FSDP2 each weight is gathered from its shards one at a time
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from jagg_lightning.dtypes import DTYPES
+from jagg_lightning.io import atomic_directory
 from jagg_lightning.sharding import full_tensor
 
 WEIGHTS_PATTERN = "diffusion_pytorch_model{suffix}.safetensors"  # diffusers' SAFETENSORS_WEIGHTS_NAME, sharded
@@ -59,17 +59,13 @@ def save_transformer(policy, target: str | Path, weights: dict[str, torch.Tensor
     module = policy.trained_networks()[network]
     weights = transformer_state_dict(module, dtype) if weights is None else weights
     target = Path(target)
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    module.save_config(tmp)
-    config = json.loads((tmp / "config.json").read_text())  # FSDP2 renames the class FSDP<Name>
-    config["_class_name"] = next(c.__name__ for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_torch_state_dict(weights, tmp, filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size)
-    identity = full_identity(policy) | {"dtype": str(dtype).removeprefix("torch.")}
-    (tmp / IDENTITY_FILE).write_text(json.dumps(identity | ({} if step is None else {"global_step": int(step)}),
-                                                indent=2) + "\n")
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+    with atomic_directory(target) as tmp:  # a failed or killed write leaves the previous export whole
+        module.save_config(tmp)
+        config = json.loads((tmp / "config.json").read_text())  # FSDP2 renames the class FSDP<Name>
+        config["_class_name"] = next(c.__name__ for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_torch_state_dict(weights, tmp, filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size)
+        identity = full_identity(policy) | {"dtype": str(dtype).removeprefix("torch.")}
+        (tmp / IDENTITY_FILE).write_text(json.dumps(identity | ({} if step is None else {"global_step": int(step)}),
+                                                    indent=2) + "\n")
     return target

@@ -156,6 +156,36 @@ class FSDP2Strategy(ContextParallelOptions, ModelParallelStrategy):
                 state[name] = full.detach().cpu().clone()
         return state
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """A distributed checkpoint is written whole into a fresh sibling folder (every rank its shards), which then
+        replaces ``filepath`` (:mod:`jagg_lightning.io`): the parent writes into the existing folder, so a failed or
+        killed save would tear the previous one. A write that fails on any rank fails on every rank (no rank left
+        waiting) with :class:`~jagg_lightning.io.WriteError` naming ``filepath``; the previous folder stays."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from jagg_lightning.io import WriteError, discard, new_temp_directory, replace_directory
+
+        path = Path(self.broadcast(filepath))
+        tmp = Path(self.broadcast(str(new_temp_directory(path)) if self.global_rank == 0 else None))
+        error = None
+        try:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+        except (Exception, CheckpointException) as err:  # told to every rank below, then raised
+            error = err
+        if self.reduce_boolean_decision(error is None, all=True):
+            if self.global_rank == 0:
+                try:
+                    replace_directory(tmp, path)
+                except Exception as err:
+                    error = err
+            if self.reduce_boolean_decision(error is None, all=True):
+                return
+        if self.global_rank == 0:
+            discard(tmp)
+        raise WriteError.of(path, error or OSError("another rank could not write its part")) from error
+
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         if path.is_dir():  # a distributed checkpoint (folder of shards)

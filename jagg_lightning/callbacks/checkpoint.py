@@ -1,6 +1,10 @@
-"""Checkpoint I/O that never leaves a torn file: write to a temporary sibling, fsync, rename.
+"""Checkpoint I/O that never leaves a torn file: write to a temporary sibling, fsync, rename
+(:func:`jagg_lightning.io.atomic_write`).
 
-A save killed half-way (even by kill -9) leaves the previous checkpoint at the same path intact.
+A save killed half-way (even by kill -9) leaves the previous checkpoint at the same path intact; a save that fails
+(a full disk, a file size limit) raises :class:`~jagg_lightning.io.WriteError` naming the checkpoint, removes its
+temporary file and leaves the previous one too. Lightning's ``ModelCheckpoint`` removes the checkpoints it no longer
+keeps (``save_top_k``, the previous ``last``) only after the new one is saved, so a failed save deletes nothing.
 Loading is ``weights_only=True``: a checkpoint is data, never code.
 """
 
@@ -15,11 +19,41 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from jagg_lightning.io import atomic_write
 
 
+class _ErrorRecordingFile:
+    """A file ``torch.save`` writes through, keeping the storage's error: torch's writer replaces it with an
+    "unexpected pos" RuntimeError that says nothing of a full disk."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def torch_save(obj: Any, path: str) -> None:
+    """``torch.save(obj, path)``; a storage error is raised as the OSError the storage gave (ENOSPC, EFBIG...)."""
+    with open(path, "wb") as raw:
+        file = _ErrorRecordingFile(raw)
+        try:
+            torch.save(obj, file)
+        except RuntimeError as err:
+            if file.error is not None:
+                raise file.error from err
+            raise
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
-        atomic_write(path, lambda tmp: torch.save(checkpoint, tmp))
+        atomic_write(path, lambda tmp: torch_save(checkpoint, tmp))
 
     def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only: bool | None = None):
         return pl_load(path, map_location=map_location, weights_only=True)

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import lightning as L
 
 from jagg_lightning.adapters import lora_state_dict, save_adapter
+from jagg_lightning.io import atomic_directory
 
 export_lora = save_adapter  # the name this module has always exported
 
@@ -36,14 +38,16 @@ class LoRAExport(L.Callback):
             from jagg_lightning.export import save_transformer, transformer_state_dict
 
             policy, dtype = pl_module.policy, DTYPES[pl_module.policy.config.dtype]
-            for network, module in policy.trained_networks().items():  # Wan2.2: transformer, then transformer_2
-                with pl_module.inference_weights():
-                    weights = transformer_state_dict(module, dtype)  # every rank: FSDP2 gathers its shards
-                if trainer.is_global_zero:
-                    save_transformer(policy, self._root(trainer) / name / network, weights, step=trainer.global_step,
-                                     network=network)
-                del weights  # one network's whole copy in host memory at a time
-            return self._root(trainer) / name / "transformer" if trainer.is_global_zero else None
+            folder = self._root(trainer) / name
+            # rank 0 builds the whole <name>/ (Wan2.2: both networks) aside: a failed write leaves the previous pair
+            with (atomic_directory(folder) if trainer.is_global_zero else nullcontext()) as tmp:
+                for network, module in policy.trained_networks().items():  # Wan2.2: transformer, then transformer_2
+                    with pl_module.inference_weights():
+                        weights = transformer_state_dict(module, dtype)  # every rank: FSDP2 gathers its shards
+                    if trainer.is_global_zero:
+                        save_transformer(policy, tmp / network, weights, step=trainer.global_step, network=network)
+                    del weights  # one network's whole copy in host memory at a time
+            return folder / "transformer" if trainer.is_global_zero else None
         with pl_module.inference_weights():
             weights = lora_state_dict(pl_module.policy.transformer)  # every rank: FSDP2 gathers its shards
             extra = {n: lora_state_dict(m) for n, m in pl_module.policy.extra_lora_modules().items()}  # Wan2.2

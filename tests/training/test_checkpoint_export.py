@@ -87,7 +87,8 @@ KILLED_SAVE = textwrap.dedent('''
     real_save = torch.save
     def slow_save(obj, f, *a, **k):
         if obj.get("global_step", 0) >= 2:          # the second save: write half, then hang
-            data = open(f, "wb"); data.write(b"x" * 1000); data.flush()
+            data = open(f, "wb") if isinstance(f, (str, os.PathLike)) else f  # AtomicCheckpointIO: a file object
+            data.write(b"x" * 1000); data.flush()
             (root / "hanging").write_text("1"); time.sleep(600)
         return real_save(obj, f, *a, **k)
     torch.save = slow_save
