@@ -63,7 +63,7 @@ class Preemption(L.Callback):
             self._stop = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if not trainer.fit_loop.epoch_loop.done:  # the last step ends fit normally
+        if not _last_step(trainer):  # the last step ends fit normally (and writes lora/final)
             preemption.check(Collectives(trainer).max_over_world, trainer.global_step, "the end of the step")
 
     def on_train_end(self, trainer, pl_module) -> None:  # before Lightning restores the handlers it found
@@ -93,6 +93,14 @@ class Preemption(L.Callback):
         resume = "the requeued job resumes from it" if requeued else f"resume with --ckpt_path {path}"
         print(f"jagg: stopped by {preemption.signal_name(signum)} at step {trainer.global_step} ({where}): checkpoint "
               f"{path}, adapter in lora/last (not final); {resume}", file=sys.stderr, flush=True)
+
+
+def _last_step(trainer) -> bool:
+    """The step that just ended is fit's last: ``max_steps`` reached, or the last batch of the last epoch."""
+    if trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps:
+        return True
+    epoch_ended = trainer.fit_loop.epoch_loop.batch_progress.current.ready >= trainer.num_training_batches
+    return epoch_ended and trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
 
 
 def _requeue_slurm_job() -> bool:
