@@ -38,6 +38,7 @@ from jagg_lightning.data import PromptDataModule
 from jagg_lightning.checks import PolicyBuildError, check_precision
 from jagg_lightning.context_parallel import ContextParallelError
 from jagg_lightning.module import JAGGModule
+from jagg_lightning.nonfinite import NonFiniteError
 from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.state import CheckpointMismatchError
 from jagg_lightning.quiet import quiet_defaults
@@ -268,7 +269,8 @@ def main() -> None:
         raise SystemExit(plan_main(sys.argv[2:], parse_config))
     try:
         cli_main()
-    except RewardError as err:  # a reward (a server) failed: its one line, not a traceback; checkpoints are intact
+    # a reward (a server) failed, or non-finite values stopped the run: one line, not a traceback; checkpoints intact
+    except (RewardError, NonFiniteError) as err:
         print(f"jagg: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
 
