@@ -34,7 +34,6 @@ from jagg_lightning.ema import LoRAEMA
 from jagg_lightning.images import image_grid, log_dir, write_image
 from jagg_lightning.jagg import Window, WindowGradientCheck, WindowRecord
 from jagg_lightning.metrics import EvalSums, FirstUpdateRatioCheck, train_metrics
-from jagg_lightning.nonfinite import gradient_is_nonfinite
 from jagg_lightning.old_keys import move_old_keys, resolve_seeds
 from jagg_lightning.policies import Policy, PolicyConfig, build_policy
 from jagg_lightning.policy_checks import check_policy
@@ -239,30 +238,16 @@ class JAGGModule(L.LightningModule):
         return report.rewards.mean()
 
     def step_optimizer(self, collectives: Collectives) -> None:
-        """All-reduce (once), clip, step, EMA, scheduler: what follows the backward passes of one update.
-
-        Unless a value of the update is non-finite on any process (one all-reduce of the guard's rows decides,
-        alike everywhere; ``nonfinite.py``): then the gradients are dropped and ``optimizer.step()`` runs with
-        none, so PyTorch's optimizers leave weights and state as they were while Lightning still counts the
-        global step (the rollout streams and the data move on); EMA and scheduler do not step."""
+        """All-reduce and non-finite check (nonfinite.py), clip, step, EMA, scheduler: after an update's backwards."""
         optimizer = self.optimizers()
-        params = self.policy.lora_parameters()
-        if all(p.grad is None for p in params):
+        if all(p.grad is None for p in self.policy.lora_parameters()):
             # every sample skipped (zero advantage): the zero gradient the optimizer would have seen
-            for p in params:
+            for p in self.policy.lora_parameters():
                 p.grad = torch.zeros_like(p)
-        guard = self.updater.guard
-        # DDP: this process's own gradient until the all-reduce (names where a value appeared); FSDP2 has reduced it
-        own_bad = gradient_is_nonfinite(params) if collectives.world_size == 1 or collectives.ddp_model() is not None else None
-        collectives.all_reduce_gradients(params)
-        reduced_bad = gradient_is_nonfinite(params)
-        row = guard.fault_row(reduced_bad if own_bad is None else own_bad, reduced_bad)
-        skipped = guard.decide(collectives.gather_rows(row.to(self.device)), self.global_step)  # may stop the run
-        if skipped is not None:
+        skipped = self.updater.guard.all_reduce_and_decide(self.policy.lora_parameters(), collectives, self.global_step)
+        if skipped is not None:  # gradients dropped: weights and optimizer state stay, Lightning still counts the step
             rank_zero_warn(skipped)
-            optimizer.zero_grad(set_to_none=True)
-            optimizer.step()  # no gradients: nothing moves, the step is counted
-            return
+            return optimizer.step()  # EMA and scheduler do not step
         if self.grpo.max_grad_norm is not None:
             self.clip_gradients(optimizer, gradient_clip_val=self.grpo.max_grad_norm, gradient_clip_algorithm="norm")
         optimizer.step()
@@ -387,8 +372,7 @@ class JAGGModule(L.LightningModule):
                                        ckpt_path)
         extra = checkpoint.get("jagg", {})
         self.rollouts_done = int(extra.get("rollouts", checkpoint.get("global_step", 0)))
-        if "updater" in self.__dict__:
-            self.updater.guard.load_state_dict(extra.get("nonfinite", {}))
+        self.updater.guard.load_state_dict(extra.get("nonfinite", {}))
         if self.ema is not None and extra.get("ema") is not None:
             self.ema.load_state_dict(extra["ema"])
             self._ema_restored = True

@@ -128,6 +128,22 @@ class NonFiniteGuard:
             row[_SAMPLES + 2 * j + 1] = i % self.group_size
         return row
 
+    def all_reduce_and_decide(self, params: list[torch.nn.Parameter], collectives, step: int) -> str | None:
+        """The optimizer step's part: check this process's own gradient (under DDP, until the all-reduce; FSDP2 has
+        reduced it inside the backward), make the ONE gradient all-reduce (``collectives``), check the reduced one,
+        gather every process's row (one more all-reduce) and :meth:`decide`, alike on every process. A skipped
+        update's gradients are dropped (``None``: an optimizer step then moves no weight and no optimizer state)."""
+        reduces_here = collectives.world_size == 1 or collectives.ddp_model() is not None
+        own_bad = gradient_is_nonfinite(params) if reduces_here else None
+        collectives.all_reduce_gradients(params)
+        reduced_bad = gradient_is_nonfinite(params)
+        row = self.fault_row(reduced_bad if own_bad is None else own_bad, reduced_bad)
+        skipped = self.decide(collectives.gather_rows(row.to(self.trained.device)), step)  # raises to stop
+        if skipped is not None:
+            for p in params:
+                p.grad = None
+        return skipped
+
     def decide(self, table: Tensor, step: int) -> str | None:
         """From every process's row (the same table on each): None when the update may go ahead, else what was
         non-finite (the update is skipped and counted). Raises :class:`NonFiniteError` when this makes
