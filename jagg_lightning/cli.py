@@ -42,6 +42,7 @@ from jagg_lightning.io import WriteError
 from jagg_lightning.checks import PolicyBuildError, check_precision
 from jagg_lightning.context_parallel import ContextParallelError
 from jagg_lightning.module import JAGGModule
+from jagg_lightning.nonfinite import NonFiniteError
 from jagg_lightning.preemption import EXIT_BASE
 from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.state import CheckpointMismatchError
@@ -275,9 +276,9 @@ def main() -> None:
         raise SystemExit(plan_main(sys.argv[2:], parse_config))
     try:
         cli_main()
-    # a reward (a server) failed, or a checkpoint / export could not be written (a full disk): one line, no traceback;
-    # the checkpoints and adapters written before are intact
-    except (RewardError, WriteError) as err:
+    # a reward (a server) failed, non-finite values stopped the run, or a checkpoint / export could not be written (a
+    # full disk): one line, no traceback; the checkpoints and adapters written before are intact
+    except (RewardError, NonFiniteError, WriteError) as err:
         print(f"jagg: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
     except SIGTERMException:  # Lightning's own stop on SIGTERM is a SystemExit with status 0: not a success

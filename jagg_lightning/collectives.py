@@ -103,6 +103,16 @@ class Collectives:
             return self.trainer.strategy.all_gather(count).max()
         return count
 
+    def gather_rows(self, row: Tensor) -> Tensor:
+        """Every process's ``row`` [R], stacked by global rank [W, R], on every process: ONE all-reduce (a sum) of a
+        zero table with this process's row filled in (over every process, context ranks included)."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return row[None]
+        table = row.new_zeros(dist.get_world_size(), row.numel())
+        table[dist.get_rank()] = row
+        dist.all_reduce(table, op=dist.ReduceOp.SUM)
+        return table
+
     def all_reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Under DDP: average the gradients of ``params`` over the processes with ONE all-reduce of their flat
         concatenation (a parameter without a gradient contributes zeros, so every rank sends the same size); under

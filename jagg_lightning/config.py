@@ -235,7 +235,10 @@ class GRPOConfig:
     added to it. ``skip_zero_advantage``: with kl_beta 0, samples whose advantage is exactly 0 (a group
     of equal rewards) get no forward or backward; the update is the same. ``multi_reward`` (several rewards,
     ``WeightedReward``): "weighted_sum" group-normalises the weighted sum of the rewards; "per_reward"
-    group-normalises each reward on its own and sums the weighted advantages (``grpo.combined_advantages``)."""
+    group-normalises each reward on its own and sums the weighted advantages (``grpo.combined_advantages``).
+    ``max_nonfinite_in_a_row``: an update with a non-finite reward, advantage, per-sample loss or gradient is
+    skipped (weights, optimizer, EMA and scheduler untouched; ``train/skipped_nonfinite`` counts it); this many
+    skipped in a row stop the run, naming where the first appeared (1: stop at the first; ``nonfinite.py``)."""
 
     clip_range: float = 1e-4
     kl_beta: float = 0.0
@@ -250,9 +253,11 @@ class GRPOConfig:
     adv_eps: float = 1e-4
     skip_zero_advantage: bool = True
     multi_reward: Literal["weighted_sum", "per_reward"] = "weighted_sum"
+    max_nonfinite_in_a_row: int = 10
 
     def __post_init__(self):
-        check_ints(self, "grpo", "inner_epochs", "train_batch_size", "micro_batches_per_update", "std_ddof")
+        check_ints(self, "grpo", "inner_epochs", "train_batch_size", "micro_batches_per_update", "std_ddof",
+                   "max_nonfinite_in_a_row")
         check(self.clip_range > 0, "grpo.clip_range", "> 0", self.clip_range)
         check(self.kl_beta >= 0, "grpo.kl_beta", ">= 0", self.kl_beta)
         check(self.adv_clip > 0, "grpo.adv_clip", "> 0", self.adv_clip)
@@ -266,6 +271,8 @@ class GRPOConfig:
         check(self.kl_convention in KL_CONVENTIONS, "grpo.kl_convention", "'flow_grpo' or 'exact'", self.kl_convention)
         check(self.std_ddof in (0, 1), "grpo.std_ddof", "0 (np.std) or 1 (unbiased)", self.std_ddof)
         check(self.adv_eps > 0, "grpo.adv_eps", "> 0", self.adv_eps)
+        check(self.max_nonfinite_in_a_row is not None and self.max_nonfinite_in_a_row >= 1, "grpo.max_nonfinite_in_a_row",
+              ">= 1 (skipped non-finite updates in a row that stop the run; 1: the first)", self.max_nonfinite_in_a_row)
         check(self.multi_reward in MULTI_REWARD, "grpo.multi_reward", "'weighted_sum' (normalise the weighted sum of "
               "the rewards) or 'per_reward' (normalise each reward, then sum the weighted advantages)", self.multi_reward)
 

@@ -13,8 +13,9 @@ from jagg_lightning.update import StepReport
 
 
 def train_metrics(report: StepReport, windows: list[Window], ratio: FirstUpdateRatioCheck, exact_backwards: int,
-                  gradient_all_reduces: int) -> dict[str, Tensor]:
-    """The ``train/*`` values of one training step (without the prefix)."""
+                  gradient_all_reduces: int, skipped_nonfinite: int = 0) -> dict[str, Tensor]:
+    """The ``train/*`` values of one training step (without the prefix); ``skipped_nonfinite``: the updates
+    skipped for a non-finite value so far in the run (a running count)."""
     stats, records, rewards = report.stats + report.first_update_stats, report.records, report.rewards
 
     def mean_of(attr):
@@ -35,6 +36,7 @@ def train_metrics(report: StepReport, windows: list[Window], ratio: FirstUpdateR
         "ratio_dev_first_update": torch.tensor(ratio.deviation),
         "ratio_first_update_off": torch.tensor(float(ratio.off)),
         "skipped_samples": torch.tensor(float(report.skipped_samples)),
+        "skipped_nonfinite": torch.tensor(float(skipped_nonfinite)),
         "passes/backward": torch.tensor(float(sum(r.backwards for r in records))),
         "passes/grad_forward": torch.tensor(float(sum(r.grad_forwards for r in records))),
         "passes/nograd_forward": torch.tensor(float(sum(r.nograd_forwards for r in records))),

@@ -239,13 +239,16 @@ class JAGGModule(L.LightningModule):
         return report.rewards.mean()
 
     def step_optimizer(self, collectives: Collectives) -> None:
-        """All-reduce (once), clip, step, EMA, scheduler: what follows the backward passes of one update."""
+        """All-reduce and non-finite check (nonfinite.py), clip, step, EMA, scheduler: after an update's backwards."""
         optimizer = self.optimizers()
         if all(p.grad is None for p in self.policy.lora_parameters()):
             # every sample skipped (zero advantage): the zero gradient the optimizer would have seen
             for p in self.policy.lora_parameters():
                 p.grad = torch.zeros_like(p)
-        collectives.all_reduce_gradients(self.policy.lora_parameters())
+        skipped = self.updater.guard.all_reduce_and_decide(self.policy.lora_parameters(), collectives, self.global_step)
+        if skipped is not None:  # gradients dropped: weights and optimizer state stay, Lightning still counts the step
+            rank_zero_warn(skipped)
+            return optimizer.step()  # EMA and scheduler do not step
         if self.grpo.max_grad_norm is not None:
             self.clip_gradients(optimizer, gradient_clip_val=self.grpo.max_grad_norm, gradient_clip_algorithm="norm")
         optimizer.step()
@@ -268,7 +271,7 @@ class JAGGModule(L.LightningModule):
         # from the parts a memory budget or fused_samples splits them into)
         self.exact_backwards = len(self.plan.trained_steps) * report.micro_batches
         values = train_metrics(report, self.windows, self.ratio_check, self.exact_backwards,
-                               collectives.gradient_all_reduces)
+                               collectives.gradient_all_reduces, self.updater.guard.skipped)
         rewards = report.rewards
         self.log_dict({f"train/{k}": v.float() for k, v in values.items()}, batch_size=rewards.shape[0])
         self.log("reward", rewards.mean().float(), prog_bar=True, batch_size=rewards.shape[0], logger=False)
@@ -359,6 +362,7 @@ class JAGGModule(L.LightningModule):
         if "hyper_parameters" in checkpoint:  # plain data only, so weights_only=True can load it
             checkpoint["hyper_parameters"] = state.plain(dict(checkpoint["hyper_parameters"]))
         checkpoint["jagg"] = state.jagg_section(self.policy, self.ema, self.rollouts_done, self._step_rng)
+        checkpoint["jagg"]["nonfinite"] = self.updater.guard.state_dict()  # the running count of skipped updates
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         try:  # the path the Trainer loads, for the error that names it (load_from_checkpoint: no Trainer)
@@ -369,6 +373,7 @@ class JAGGModule(L.LightningModule):
                                        ckpt_path)
         extra = checkpoint.get("jagg", {})
         self.rollouts_done = int(extra.get("rollouts", checkpoint.get("global_step", 0)))
+        self.updater.guard.load_state_dict(extra.get("nonfinite", {}))
         if self.ema is not None and extra.get("ema") is not None:
             self.ema.load_state_dict(extra["ema"])
             self._ema_restored = True

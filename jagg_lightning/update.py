@@ -27,6 +27,7 @@ from jagg_lightning.grpo import StepRecord, combined_advantages, group_advantage
 from jagg_lightning.jagg import (
     Window, WindowGradientCheck, WindowRecord, accumulate_gradients, alphas, check_window_gradients,
 )
+from jagg_lightning.nonfinite import NonFiniteGuard
 from jagg_lightning.routing import route_windows, routing_score
 from jagg_lightning.passes import fused_graph_steps, fused_samples, pass_plan, reference_steps
 from jagg_lightning.rewards import Reward, component_weights
@@ -100,6 +101,8 @@ class Updater:
         self.policy, self.sampling, self.grpo, self.jagg, self.memory = policy, sampling, grpo, jagg, memory
         self.sampler = sampler
         self.estimator = build_estimator(jagg)  # a routed window's draws and fold weights (estimators/)
+        # the non-finite checks of every update (nonfinite.py); the optimizer step decides on them
+        self.guard = NonFiniteGuard(grpo.max_nonfinite_in_a_row, sampling.group_size)
 
     def advantages(self, rewards: Tensor, collectives: Collectives | None = None) -> Tensor:
         """Group advantages of rewards [N] laid out prompt-major (``grpo`` settings; global std over all processes)."""
@@ -167,8 +170,10 @@ class Updater:
         return forwards
 
     # ------------------------------------------------------------------ the engine
-    def step_loss_fn(self, mb: Trajectory, advantages: Tensor, ref_v: Tensor | None, scale: float, stats: list):
-        """(k, v) -> this micro-batch's step-k share of the objective; appends (k, stats) to ``stats``."""
+    def step_loss_fn(self, mb: Trajectory, advantages: Tensor, ref_v: Tensor | None, scale: float, stats: list,
+                     samples: Tensor | None = None):
+        """(k, v) -> this micro-batch's step-k share of the objective; appends (k, stats) to ``stats``. ``samples``:
+        the micro-batch's rows of the rollout, whose per-sample losses the guard checks (None: no check)."""
         kind, g = self.sampling.step_kind, self.grpo
         times = mb.times.tolist()  # one host read per micro-batch, not two per step
 
@@ -180,26 +185,31 @@ class Updater:
             loss, st = step_loss(v, record, kind, self.sampling.noise_level, g.clip_range, g.kl_beta,
                                  self.sampling.cps_log_prob, g.kl_convention)
             stats.append((k, st))
+            if samples is not None:
+                self.guard.check_loss(samples, loss)
             return loss.mean() * scale
 
         return loss_of_step
 
     def backward_samples(self, mb: Trajectory, advantages: Tensor, cond: tuple, update_size: int, plan: RolloutPlan,
-                         windows: list[Window], first_update: bool, stats: list, backward) -> list[WindowRecord]:
+                         windows: list[Window], first_update: bool, stats: list, backward,
+                         samples: Tensor | None = None) -> list[WindowRecord]:
         """The engine over ``mb``'s samples, in passes of as many samples as ``memory.budget_mb`` allows
         (:func:`~jagg_lightning.passes.pass_plan`); each sample's loss is scaled by 1 / (update_size * trained steps).
-        ``first_update``: theta is still the rollout's theta_old (:meth:`engine_pass`)."""
+        ``first_update``: theta is still the rollout's theta_old (:meth:`engine_pass`). ``samples``: ``mb``'s rows of
+        the rollout (the guard's loss check)."""
         size, split_anchors = pass_plan(advantages.shape[0], windows, self.memory, self.sampler.activation_bytes)
         records = []
         for start in range(0, advantages.shape[0], size):
             rows = slice(start, start + size)
             records += self.engine_pass(mb.select(rows), advantages[rows], batch_slice(cond, rows), update_size, plan,
-                                        windows, first_update, stats, split_anchors, backward)
+                                        windows, first_update, stats, split_anchors, backward,
+                                        samples=None if samples is None else samples[rows])
         return records
 
     def engine_pass(self, mb: Trajectory, advantages: Tensor, cond: tuple, update_size: int, plan: RolloutPlan,
                     windows: list[Window], first_update: bool, stats: list, split_anchors: bool, backward,
-                    graphs: dict[int, Tensor] | None = None):
+                    graphs: dict[int, Tensor] | None = None, samples: Tensor | None = None):
         """One :func:`accumulate_gradients` call over all of ``mb``'s samples. ``first_update`` (theta is still the
         rollout's theta_old) means two things: the interiors' g_k come from the rollout's recorded velocities
         (``interior_cache``, with ``jagg.cache_interior``), and each anchor takes a forward of its own at the
@@ -208,7 +218,7 @@ class Updater:
         interior_cache = mb.velocities if first_update and self.jagg.cache_interior else None
         batch_anchors = not first_update
         scale = advantages.shape[0] / (update_size * len(plan.trained_steps))
-        loss_of_step = self.step_loss_fn(mb, advantages, mb.ref_velocities, scale, stats)
+        loss_of_step = self.step_loss_fn(mb, advantages, mb.ref_velocities, scale, stats, samples)
         return accumulate_gradients(
             self.sampler.velocity, mb.latents, mb.times, cond, loss_of_step, windows, cached_velocities=interior_cache,
             low_memory=split_anchors, backward=backward, graphs=graphs, batch_anchors=batch_anchors,
@@ -263,16 +273,20 @@ class Updater:
         rollout = self.sampler.rollout(cond, indices, step, plan.step_kinds, sorted(taken), graph_steps, graph_samples)
         sample_prompts = [p for p in prompts for _ in range(self.sampling.group_size)]
         report = StepReport(cond)
+        self.guard.start_rollout(indices, self.sampler.device)
         ahead = (1 if self.sampler.reward_workers else 0) if fused else None  # unfused: the update needs them all
         for index, scored in enumerate(self.sampler.scored(rollout, reward, sample_prompts, ahead)):
             # the same micro-batches on every process: a stop here is agreed by all of them
             hooks.safe_point(f"rollout micro-batch {index + 1} (sampled and scored)")
             report.add_scored(scored)
+            self.guard.check_rewards(scored.rows, scored.rewards, scored.components)
             if not fused:
                 continue
             # group std (check_fused): this micro-batch's groups alone
             advantages = report.add_advantages(*self.reward_advantages(scored.rewards, scored.components, reward,
                                                                        hooks.collectives))
+            self.guard.check_advantages(scored.rows, advantages)
+            self.guard.train(scored.rows)  # the fused mode's one update takes every sample
             mb, mb_cond = scored.sampled.part, batch_slice(cond, scored.rows)  # views: the trajectory's
             windows = self.route(mb, plan.windows, hooks.collectives, step, scored.rows.start)
             report.reference_forwards += self.complete_reference(mb, mb_cond, windows, taken)
@@ -292,6 +306,7 @@ class Updater:
         beyond the kept ones go through the unfused engine (interiors from the cache). All groups tied (zero
         advantage, kl_beta 0): no backward, a zero gradient (its forwards were the rollout's)."""
         mb, n, kept = sampled.part, advantages.shape[0], sampled.graph_rows
+        samples = torch.arange(sampled.rows.start, sampled.rows.start + n, device=advantages.device)
         if self.grpo.skip_zero_advantage and self.grpo.kl_beta == 0 and not bool(advantages.any()):
             report.skipped_samples += n
             return
@@ -299,11 +314,12 @@ class Updater:
             rows = slice(0, kept)
             report.records += self.engine_pass(mb.select(rows), advantages[rows], batch_slice(cond, rows), num, plan,
                                                windows, True, report.first_update_stats, self.memory.anchors == "split",
-                                               hooks.backward, sampled.graphs)
+                                               hooks.backward, sampled.graphs, samples[rows])
             if kept < n:  # the samples without kept graphs: the unfused engine, interiors from the cache
                 rows = slice(kept, n)
                 report.records += self.backward_samples(mb.select(rows), advantages[rows], batch_slice(cond, rows), num,
-                                                        plan, windows, True, report.first_update_stats, hooks.backward)
+                                                        plan, windows, True, report.first_update_stats, hooks.backward,
+                                                        samples[rows])
 
     def update_rollout(self, report: StepReport, plan: RolloutPlan, taken: set[int], step: int, reward: Reward,
                        hooks: UpdateHooks) -> None:
@@ -312,6 +328,7 @@ class Updater:
         traj, cond = report.trajectory, report.cond
         advantages = report.add_advantages(*self.reward_advantages(report.rewards, report.components, reward,
                                                                    hooks.collectives))
+        self.guard.check_advantages(slice(None), advantages)
         self.route(traj, plan.windows, hooks.collectives, step)
         report.reference_forwards += self.complete_reference(traj, cond, plan.windows, taken)
         num = advantages.shape[0]
@@ -327,6 +344,8 @@ class Updater:
             for start in range(0, len(micro), per_update):
                 group = micro[start : start + per_update]
                 update_size = sum(len(m) for m in group)
+                for index in group:
+                    self.guard.train(index)
                 group, skipped = self.drop_zero_advantage(group, advantages, hooks.collectives)
                 report.skipped_samples += skipped
                 with hooks.collectives.local_backward():
@@ -335,7 +354,7 @@ class Updater:
                         report.records += self.backward_samples(
                             traj.select(index), advantages[index], batch_slice(cond, index), update_size, plan,
                             plan.windows, theta_is_old, report.first_update_stats if theta_is_old else report.stats,
-                            hooks.backward)
+                            hooks.backward, index)
                 hooks.optimizer_step()
                 theta_is_old = False
         report.micro_batches = self.grpo.inner_epochs * len(micro)

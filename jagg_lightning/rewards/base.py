@@ -125,8 +125,8 @@ class Reward(nn.Module):
         scores = scores.to(device=images.device, dtype=torch.float32).reshape(-1)
         if scores.shape[0] != images.shape[0]:
             raise RuntimeError(f"reward {self.name}: returned {scores.shape[0]} scores for {images.shape[0]} images")
-        if not torch.isfinite(scores).all():
-            raise FloatingPointError(f"reward {self.name}: non-finite score {scores.tolist()}; refusing to train on it")
+        # a NaN or Inf score is returned as it is: training skips the update it would enter and names the reward
+        # (jagg_lightning/nonfinite.py); an evaluation mean shows it
         return scores
 
     def score_with_components(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:

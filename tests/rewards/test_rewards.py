@@ -9,6 +9,7 @@ import torch
 from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
 from jagg_lightning.data import PromptDataModule
+from jagg_lightning.nonfinite import NonFiniteError
 from jagg_lightning.policies.tiny import tiny_clip_tokenizer
 from jagg_lightning.rewards import (
     AestheticReward,
@@ -210,14 +211,16 @@ class NaNAfterFirstCall(Reward):
 
 
 def test_nan_score_stops_the_step_with_the_reward_name(rng_seed):
-    module = make_module(rng_seed % 10_000)
+    """A NaN score is the non-finite guard's (jagg_lightning/nonfinite.py): with grpo.max_nonfinite_in_a_row 1 the
+    first such update stops the run, naming the reward and the samples, and the weights never saw it."""
+    module = make_module(rng_seed % 10_000, max_nonfinite_in_a_row=1)
     module.reward_fn = NaNAfterFirstCall()
     module.sampling.rollout_batch_size = 3  # one micro-batch per prompt: the second one is NaN
     trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     before = [p.detach().clone() for p in module.policy.lora_parameters()]
-    with pytest.raises(FloatingPointError, match="flaky_user_reward"):
-        trainer.fit(module, PromptDataModule(prompts=PROMPTS[:2], batch_size=2))
+    with pytest.raises(NonFiniteError, match=r"non-finite reward flaky_user_reward \(NaN\) in prompt 1 sample 0"):
+        trainer.fit(module, PromptDataModule(prompts=PROMPTS[:2], batch_size=2, shuffle=False))
     assert all(torch.equal(a, b) for a, b in zip(before, module.policy.lora_parameters()))
 
 
