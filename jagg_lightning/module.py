@@ -227,8 +227,7 @@ class JAGGModule(L.LightningModule):
         step = self.global_step
         self.plan = plan = plan_rollout(self.sampling, self.jagg, step, self.rollouts_done,
                                         self.policy.expert_starts(self.sampler.times))
-        self.windows = plan.windows
-        collectives = Collectives(self.trainer)
+        self.windows, collectives = plan.windows, Collectives(self.trainer)
         hooks = UpdateHooks(self.manual_backward, functools.partial(self.step_optimizer, collectives), collectives,
                             functools.partial(preemption.check, collectives.max_over_world, step))
         # rollout -> rewards -> advantages -> routed update -> optimizer step(s), fused or not (update.py)
