@@ -1,7 +1,9 @@
 """Non-finite values never reach the weights: the checks of an update and the skip / stop decision.
 
 Every value an update is made of is checked where it arises, on each process, as device-side masks over the
-rollout's samples (no host read until the optimizer step): the rewards (:meth:`NonFiniteGuard.check_rewards`),
+rollout's samples (no host read until the optimizer step): the sampled latents (:meth:`NonFiniteGuard.check_rollout`;
+their images are scored made finite, so the reward never sees a NaN pixel), the rewards
+(:meth:`NonFiniteGuard.check_rewards`),
 the advantages (:meth:`~NonFiniteGuard.check_advantages`), each trained step's per-sample losses
 (:meth:`~NonFiniteGuard.check_loss`) and the gradient, this process's own before the all-reduce and the reduced
 one after it (:func:`gradient_is_nonfinite`). An update is faulty when any of ITS samples (:meth:`~NonFiniteGuard.train`)
@@ -21,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-STAGES = ("reward", "advantages", "loss", "gradient")  # in the order an update makes them
+STAGES = ("rollout", "reward", "advantages", "loss", "gradient")  # in the order an update makes them
+_MASKED = len(STAGES) - 1  # the stages checked per sample (the gradient is checked per process)
 SHOWN = 4  # samples a message names per process
 _STAGE, _DETAIL, _NAN, _COUNT, _REDUCED, _SAMPLES = range(6)  # the row's fields; then SHOWN (prompt, sample) pairs
 ROW = _SAMPLES + 2 * SHOWN
@@ -66,8 +69,8 @@ class NonFiniteGuard:
         n = len(prompt_indices) * self.group_size
         self.prompt_indices = list(prompt_indices)
         self.components: list[str] = []  # the reward's components, sorted: alike on every process
-        self.bad = torch.zeros(3, n, dtype=torch.bool, device=device)  # reward, advantages, loss: non-finite
-        self.nan = torch.zeros(3, n, dtype=torch.bool, device=device)  # ... and NaN among them
+        self.bad = torch.zeros(_MASKED, n, dtype=torch.bool, device=device)  # rollout ... loss: non-finite
+        self.nan = torch.zeros(_MASKED, n, dtype=torch.bool, device=device)  # ... and NaN among them
         self.component_bad: dict[str, Tensor] = {}
         self.trained = torch.zeros(n, dtype=torch.bool, device=device)  # the samples of the current update
 
@@ -76,10 +79,16 @@ class NonFiniteGuard:
         self.bad[stage, rows] |= ~torch.isfinite(values)
         self.nan[stage, rows] |= torch.isnan(values)
 
+    def check_rollout(self, rows: slice, final: Tensor) -> None:
+        """The final latents [n, ...] of the rollout's ``rows`` (a NaN or Inf anywhere in a sample's)."""
+        flat = final.detach().flatten(1)
+        self.bad[0, rows] |= ~torch.isfinite(flat).all(1)
+        self.nan[0, rows] |= torch.isnan(flat).any(1)
+
     def check_rewards(self, rows: slice, rewards: Tensor, components: dict[str, Tensor]) -> None:
         """The total rewards [n] of the rollout's ``rows`` and each component (monitors, outside the advantages,
         are not checked: a NaN there skips nothing)."""
-        self._mark(0, rows, rewards)
+        self._mark(1, rows, rewards)
         self.components = self.components or sorted(n for n in components if not n.startswith("monitor/"))
         for name, values in components.items():
             if not name.startswith("monitor/"):
@@ -87,11 +96,11 @@ class NonFiniteGuard:
                 mask[rows] |= ~torch.isfinite(values.detach())
 
     def check_advantages(self, rows: slice, advantages: Tensor) -> None:
-        self._mark(1, rows, advantages)
+        self._mark(2, rows, advantages)
 
     def check_loss(self, samples: Tensor, loss: Tensor) -> None:
         """Per-sample losses [n] of the rollout samples ``samples`` (indices [n]) at one trained step."""
-        self._mark(2, samples, loss)
+        self._mark(3, samples, loss)
 
     def train(self, samples: Tensor | slice) -> None:
         """``samples`` (indices, or rows) belong to the current update."""
@@ -107,19 +116,20 @@ class NonFiniteGuard:
         masks = torch.cat([self.bad & self.trained, self.nan & self.trained, self.trained[None],
                            *[m[None] & self.trained for m in self.component_bad.values()]])
         masks, (own_bad, reduced_bad) = masks.cpu(), flags.cpu().tolist()
-        bad, nan, trained, component = masks[:3], masks[3:6], masks[6], masks[7:]
+        n = _MASKED
+        bad, nan, trained, component = masks[:n], masks[n:2 * n], masks[2 * n], masks[2 * n + 1:]
         row = torch.full((ROW,), -1, dtype=torch.int64)
         row[_STAGE], row[_NAN], row[_REDUCED] = 0, 0, int(reduced_bad)
         samples = trained
-        stages = [i for i in range(3) if bad[i].any()] + ([3] if own_bad else [])
+        stages = [i for i in range(n) if bad[i].any()] + ([n] if own_bad else [])
         if stages:
             stage = stages[0]
             row[_STAGE] = stage + 1
-            if stage < 3:
+            if stage < n:
                 samples, row[_NAN] = bad[stage], int(nan[stage].any())
-            if stage == 0 and len(component):
+            if STAGES[stage] == "reward" and len(component):
                 names = list(self.component_bad)
-                hit = [names[i] for i in range(len(names)) if (component[i] & bad[0]).any()]
+                hit = [names[i] for i in range(len(names)) if (component[i] & bad[stage]).any()]
                 row[_DETAIL] = self.components.index(hit[0]) if hit and hit[0] in self.components else -1
         index = samples.nonzero().flatten()
         row[_COUNT] = len(index)
@@ -178,7 +188,9 @@ class NonFiniteGuard:
             ranks = [r for r in range(world) if int(stages[r]) == first]
             stage = STAGES[first - 1]
             kind = "NaN" if any(int(table[r, _NAN]) for r in ranks) else "Inf"
-            if stage == "reward":
+            if stage == "rollout":
+                what = f"non-finite sampled latents of the rollout ({kind})"  # before any reward
+            elif stage == "reward":
                 detail = int(table[ranks[0], _DETAIL])
                 name = f"reward {self.components[detail]}" if 0 <= detail < len(self.components) else "reward"
                 what = f"non-finite {name} ({kind})"

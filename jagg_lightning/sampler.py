@@ -171,9 +171,14 @@ class Sampler:
         return job
 
     def decode_and_score(self, reward: Reward, final: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
-        """Images from the final latents, then :meth:`score`; no grad (grad mode is per thread)."""
+        """Images from the final latents, then :meth:`score`; no grad (grad mode is per thread). Samples whose latents
+        are not finite are scored on finite stand-ins (NaN: 0.5 grey): the update checks the latents themselves and
+        skips the update they would enter (:mod:`jagg_lightning.nonfinite`)."""
         with torch.no_grad():
-            return self.score(reward, self.policy.decode(final), prompts)
+            images = self.policy.decode(final)
+            if not bool(torch.isfinite(images).all()):
+                images = torch.nan_to_num(images, nan=0.5, posinf=1.0, neginf=0.0).clamp(0, 1)
+            return self.score(reward, images, prompts)
 
     def score(self, reward: Reward, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
         """The reward's total and components; a failure is re-raised naming the reward."""

@@ -279,6 +279,7 @@ class Updater:
             # the same micro-batches on every process: a stop here is agreed by all of them
             hooks.safe_point(f"rollout micro-batch {index + 1} (sampled and scored)")
             report.add_scored(scored)
+            self.guard.check_rollout(scored.rows, scored.sampled.final)
             self.guard.check_rewards(scored.rows, scored.rewards, scored.components)
             if not fused:
                 continue

@@ -94,3 +94,18 @@ def poison_gradient(module, steps: set[int], value: float) -> None:
     """Every backward of the chosen steps puts ``value`` into the gradient of the first trainable weight."""
     param = module.policy.lora_parameters()[0]
     param.register_hook(lambda g: torch.full_like(g, value) if module.fault_step in steps else g)
+
+
+def poison_rollout(module, faults: dict[int, list[int]], value: float) -> None:
+    """The final sampled latents of the samples ``faults[step]`` get ``value`` at one element, as each micro-batch
+    ends (before it is decoded and scored): what a bf16 overflow while sampling leaves."""
+    real = module.sampler.rollout
+
+    def rollout(*args, **kwargs):
+        for mb in real(*args, **kwargs):
+            for i in faults.get(module.fault_step, ()):
+                if mb.rows.start <= i < mb.rows.stop:
+                    mb.final[i - mb.rows.start].view(-1)[0] = value
+            yield mb
+
+    module.sampler.rollout = rollout

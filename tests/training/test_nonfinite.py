@@ -1,5 +1,5 @@
 """Non-finite values never reach the weights (issue 31, item 3): a NaN or Inf injected at each stage of an update
--- the reward, the advantages, a per-sample loss, the gradient -- skips that update (weights, optimizer state, EMA
+-- the sampled latents, the reward, the advantages, a per-sample loss, the gradient -- skips that update (weights, optimizer state, EMA
 and scheduler as they were; counted in ``train/skipped_nonfinite``), a later finite update trains, and
 ``grpo.max_nonfinite_in_a_row`` skipped in a row stop the run with one line naming the stage and samples."""
 
@@ -14,7 +14,7 @@ from jagg_lightning import GRPOConfig
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.nonfinite import NonFiniteError
 
-from faults import PoisonedReward, StepCounter, poison_advantages, poison_gradient, poison_log_probs
+from faults import PoisonedReward, StepCounter, poison_advantages, poison_gradient, poison_log_probs, poison_rollout
 from modules import make_module
 
 PROMPTS = ["a red cat", "a blue dog", "a green tree", "a yellow sun", "a white boat", "a black car",
@@ -62,7 +62,9 @@ def module_for(seed, fused=False, **grpo):
 
 def inject(module, stage, faults, value, rng):
     """Put ``value`` at ``stage`` for the samples ``faults[step]``; returns {step: the samples a message names}."""
-    if stage == "reward":
+    if stage == "rollout":
+        poison_rollout(module, faults, value)
+    elif stage == "reward":
         module.reward_fn = PoisonedReward(module, faults, value)
     elif stage == "advantages":
         poison_advantages(module, faults, value)
@@ -87,13 +89,13 @@ def fit(module, steps, callbacks=()):
     return trainer
 
 
-CASES = [("reward", NAN), ("reward", INF), ("reward", -INF), ("advantages", NAN), ("advantages", INF),
+CASES = [("rollout", NAN), ("reward", NAN), ("reward", INF), ("reward", -INF), ("advantages", NAN), ("advantages", INF),
          ("loss", NAN), ("loss", INF), ("gradient", NAN), ("gradient", INF)]
 
 
-FUSED = [("reward", NAN), ("advantages", INF), ("loss", INF), ("gradient", NAN)]
+FUSED = [("rollout", INF), ("reward", NAN), ("advantages", INF), ("loss", INF), ("gradient", NAN)]
 SKIP_CASES = [(s, v, False) for s, v in CASES] + [(s, v, True) for s, v in FUSED]
-STOP_CASES = [("reward", NAN), ("advantages", INF), ("loss", INF), ("gradient", NAN)]
+STOP_CASES = [("rollout", NAN), ("reward", NAN), ("advantages", INF), ("loss", INF), ("gradient", NAN)]
 
 
 @pytest.mark.parametrize("stage,value,fused", SKIP_CASES,
@@ -128,7 +130,7 @@ def test_max_in_a_row_stops_the_run_naming_where_it_first_appeared(stage, value,
     assert "\n" not in message
     assert "2 update(s) in a row skipped" in message and "grpo.max_nonfinite_in_a_row: 2" in message
     assert f"the first, at step 1: " in message
-    words = {"reward": "non-finite reward poisoned_reward", "advantages": "non-finite advantages",
+    words = {"rollout": "non-finite sampled latents", "reward": "non-finite reward poisoned_reward", "advantages": "non-finite advantages",
              "loss": "non-finite per-sample loss", "gradient": "a non-finite gradient"}[stage]
     assert words in message
     if stage != "gradient":
