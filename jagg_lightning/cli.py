@@ -38,6 +38,7 @@ from jagg_lightning.data import PromptDataModule
 from jagg_lightning.checks import PolicyBuildError, check_precision
 from jagg_lightning.context_parallel import ContextParallelError
 from jagg_lightning.module import JAGGModule
+from jagg_lightning.peer_failure import exit_line
 from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.state import CheckpointMismatchError
 from jagg_lightning.quiet import quiet_defaults
@@ -270,6 +271,12 @@ def main() -> None:
         cli_main()
     except RewardError as err:  # a reward (a server) failed: its one line, not a traceback; checkpoints are intact
         print(f"jagg: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except RuntimeError as err:  # a collective failed: a peer died or hung (peer_failure.py); one line, not a traceback
+        line = exit_line(err)
+        if line is None:
+            raise
+        print(f"jagg: error: {line}", file=sys.stderr)
         raise SystemExit(1) from None
 
 
