@@ -136,8 +136,12 @@ def report(exception: BaseException, rank: int, world: int, trainer=None) -> str
     detail = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0][:160]
     step = f" at step {trainer.global_step}" if trainer is not None else ""
     checkpoint = last_checkpoint(trainer)
-    todo = (f"restart every rank with --ckpt_path {checkpoint} (the last checkpoint)" if checkpoint else
-            "no checkpoint was written yet: a restart starts over (add a ModelCheckpoint with every_n_train_steps)")
+    if trainer is None:  # the failure came out of a hook after the strategy's (an on_exception save): no trainer
+        todo = "restart every rank from the newest checkpoint (--ckpt_path last, or its file)"
+    elif checkpoint:
+        todo = f"restart every rank with --ckpt_path {checkpoint} (the last checkpoint)"
+    else:
+        todo = "no checkpoint was written yet: a restart starts over (add a ModelCheckpoint with every_n_train_steps)"
     return f"rank {rank} of {world}: {_where(failure)} failed{step}: {why} ({detail}); the job cannot continue: {todo}"
 
 

