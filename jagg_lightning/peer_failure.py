@@ -69,12 +69,9 @@ class CollectiveTimeout:
         self.collective_timeout_s = check_timeout(seconds)
         return timedelta(seconds=max(self.collective_timeout_s, STARTUP_TIMEOUT_S))
 
-    def _bound_collectives(self) -> None:
-        bound_every_group(self.collective_timeout_s)
-
     def setup(self, trainer) -> None:
         super().setup(trainer)  # the model is built, sharded and wrapped: the steady-state bound from here on
-        self._bound_collectives()
+        bound_every_group(self.collective_timeout_s)
 
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)

@@ -29,6 +29,9 @@ the sums over samples go over the data group. FSDP2 then shards over the flatten
 processes), its reduce-scatter dividing by D: the sum over the context ranks of their partial gradients and the mean
 over the data ranks, in the one collective FSDP2 makes anyway (docs/distributed.md says why).
 
+Both strategies take ``collective_timeout_s``: how long a collective waits for a stuck peer, set on every process group
+of the run once the model is wrapped (:mod:`jagg_lightning.peer_failure`; docs/distributed.md, "A rank that dies").
+
 For full fine-tuning (``policy.trainable: full``) ``save_distributed_checkpoint=True`` writes a folder in which
 every rank writes its own shards of the trainable weights and of the optimizer state
 (``torch.distributed.checkpoint``; :mod:`jagg_lightning.sharded_checkpoint`): it resumes bit-identically on
