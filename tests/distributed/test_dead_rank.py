@@ -1,5 +1,5 @@
 """A rank that dies or hangs does not hang the job (issue 31): ``jagg fit`` on 2 CPU processes (gloo) of the tiny SD3,
-one rank killed with SIGKILL (or stuck) in the middle of a training step (``faults.RankFault``, after its first
+one rank killed with SIGKILL (or stuck) in the middle of a training step (``rank_faults.RankFault``, after its first
 backward of the step).
 
 - killed, under DDP and FSDP2: the survivor exits by itself, status 1, with one ``jagg: error:`` line naming its rank,
@@ -42,7 +42,7 @@ def fit_config(out, seed, strategy="ddp", strategy_args=None, fault=None, max_st
                                 "save_top_k": -1, "save_last": True}},
                  {"class_path": "run_record.RunRecord", "init_args": {"dirpath": f"{out}/record"}}]
     if fault is not None:
-        callbacks.append({"class_path": "faults.RankFault", "init_args": fault})
+        callbacks.append({"class_path": "rank_faults.RankFault", "init_args": fault})
     config = {
         "seed_everything": seed,
         "trainer": {"devices": 2, "max_steps": max_steps, "logger": False, "enable_progress_bar": False,
@@ -159,7 +159,10 @@ def torchrun(args, cwd, max_restarts=1):
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
                "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint",
                f"127.0.0.1:{free_port()}", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=search_path(), HF_HUB_OFFLINE="1")
+    # a fresh rendezvous store per attempt (docs/distributed.md): with torchrun's shared one, the restarted ranks can
+    # read the dead attempt's gloo addresses and fail to connect (whenever rank 0 comes up last)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=search_path(), HF_HUB_OFFLINE="1",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
