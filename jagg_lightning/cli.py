@@ -43,6 +43,7 @@ from jagg_lightning.checks import PolicyBuildError, check_precision
 from jagg_lightning.context_parallel import ContextParallelError
 from jagg_lightning.module import JAGGModule
 from jagg_lightning.nonfinite import NonFiniteError
+from jagg_lightning.peer_failure import exit_line
 from jagg_lightning.preemption import EXIT_BASE
 from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.state import CheckpointMismatchError
@@ -280,6 +281,12 @@ def main() -> None:
     # full disk): one line, no traceback; the checkpoints and adapters written before are intact
     except (RewardError, NonFiniteError, WriteError) as err:
         print(f"jagg: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except RuntimeError as err:  # a collective failed: a peer died or hung (peer_failure.py); one line, not a traceback
+        line = exit_line(err)
+        if line is None:
+            raise
+        print(f"jagg: error: {line}", file=sys.stderr)
         raise SystemExit(1) from None
     except SIGTERMException:  # Lightning's own stop on SIGTERM is a SystemExit with status 0: not a success
         raise SystemExit(EXIT_BASE + signal.SIGTERM) from None

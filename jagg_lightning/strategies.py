@@ -29,6 +29,9 @@ the sums over samples go over the data group. FSDP2 then shards over the flatten
 processes), its reduce-scatter dividing by D: the sum over the context ranks of their partial gradients and the mean
 over the data ranks, in the one collective FSDP2 makes anyway (docs/distributed.md says why).
 
+Both strategies take ``collective_timeout_s``: how long a collective waits for a stuck peer, set on every process group
+of the run once the model is wrapped (:mod:`jagg_lightning.peer_failure`; docs/distributed.md, "A rank that dies").
+
 For full fine-tuning (``policy.trainable: full``) ``save_distributed_checkpoint=True`` writes a folder in which
 every rank writes its own shards of the trainable weights and of the optimizer state
 (``torch.distributed.checkpoint``; :mod:`jagg_lightning.sharded_checkpoint`): it resumes bit-identically on
@@ -48,6 +51,7 @@ from torch import nn
 
 from jagg_lightning import context_parallel
 from jagg_lightning.context_parallel import ContextKind, ContextParallel
+from jagg_lightning.peer_failure import DEFAULT_TIMEOUT_S, CollectiveTimeout
 from jagg_lightning.sharding import full_tensor
 
 
@@ -95,13 +99,15 @@ class ContextParallelOptions:
         return {"num_replicas": self.context_parallel.data_size, "rank": self.context_parallel.data_rank}
 
 
-class DDPStrategy(ContextParallelOptions, LightningDDPStrategy):
+class DDPStrategy(CollectiveTimeout, ContextParallelOptions, LightningDDPStrategy):
     """Lightning's DDPStrategy, with context parallelism beside it (``context_parallel_size`` C: the W processes are
-    W / C data ranks of C context ranks each; C = 1 is plain DDP)."""
+    W / C data ranks of C context ranks each; C = 1 is plain DDP) and ``collective_timeout_s``: how long a collective
+    waits for a stuck peer, on every process group (:mod:`jagg_lightning.peer_failure`)."""
 
     def __init__(self, *args: Any, context_parallel_size: int = 1, context_parallel_kind: ContextKind = "ulysses",
-                 attention_backend: str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+                 attention_backend: str | None = None, collective_timeout_s: float = DEFAULT_TIMEOUT_S,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, timeout=self._init_timeout(collective_timeout_s, kwargs), **kwargs)
         self._init_context(context_parallel_size, context_parallel_kind, attention_backend)
 
     def setup_environment(self) -> None:
@@ -109,10 +115,11 @@ class DDPStrategy(ContextParallelOptions, LightningDDPStrategy):
         self._setup_context()
 
 
-class FSDP2Strategy(ContextParallelOptions, ModelParallelStrategy):
+class FSDP2Strategy(CollectiveTimeout, ContextParallelOptions, ModelParallelStrategy):
     """Lightning's ModelParallelStrategy for FSDP2 over every process, with checkpoints of the trainable weights only
-    (one file; or, with ``save_distributed_checkpoint``, a folder of shards), and context parallelism beside it
-    (``context_parallel_size`` C; ``data_parallel_size`` is then W / C, and FSDP2 shards over all W processes)."""
+    (one file; or, with ``save_distributed_checkpoint``, a folder of shards), context parallelism beside it
+    (``context_parallel_size`` C; ``data_parallel_size`` is then W / C, and FSDP2 shards over all W processes) and
+    ``collective_timeout_s`` as :class:`DDPStrategy`'s."""
 
     def __init__(
         self,
@@ -123,10 +130,11 @@ class FSDP2Strategy(ContextParallelOptions, ModelParallelStrategy):
         context_parallel_size: int = 1,
         context_parallel_kind: ContextKind = "ulysses",
         attention_backend: str | None = None,
+        collective_timeout_s: float = DEFAULT_TIMEOUT_S,
         **kwargs: Any,
     ) -> None:
-        super().__init__(data_parallel_size, tensor_parallel_size,
-                         save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+        super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint=save_distributed_checkpoint,
+                         timeout=self._init_timeout(collective_timeout_s, kwargs), **kwargs)
         self.cpu_offload = cpu_offload  # read by JAGGModule.configure_model when it shards
         self._init_context(context_parallel_size, context_parallel_kind, attention_backend)
 

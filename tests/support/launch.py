@@ -32,14 +32,7 @@ def run_ranks(script: Path | list[str], *args: str, world: int = 2, timeout: flo
     Every rank gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
     MASTER_ADDR, MASTER_PORT), so Lightning uses its TorchElasticEnvironment and launches nothing itself.
     """
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
-               LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", OMP_NUM_THREADS="1", PYTHONPATH=search_path())
-    procs = [
-        subprocess.Popen([sys.executable, *(script if isinstance(script, list) else [str(script)]), *args],
-                         env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
-        for r in range(world)
-    ]
+    procs = start_ranks(script, *args, world=world, cwd=cwd)
     outputs, failed = [], []
     try:
         for r, p in enumerate(procs):
@@ -53,3 +46,14 @@ def run_ranks(script: Path | list[str], *args: str, world: int = 2, timeout: flo
                 p.kill()
     assert not failed, "\n".join(failed)
     return outputs
+
+
+def start_ranks(script: Path | list[str], *args: str, world: int = 2, cwd: Path | None = None,
+                **popen) -> list[subprocess.Popen]:
+    """The ``world`` rank processes of :func:`run_ranks`, started (text pipes for stdout and stderr)."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+               LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", OMP_NUM_THREADS="1", PYTHONPATH=search_path())
+    return [subprocess.Popen([sys.executable, *(script if isinstance(script, list) else [str(script)]), *args],
+                             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=cwd, **popen)
+            for r in range(world)]

@@ -71,6 +71,18 @@ def test_lightning_names_the_sharded_checkpoint_metadata_as_we_do():
         "Lightning renamed the sharded checkpoint's metadata file: update sharded_checkpoint.METADATA_FILE")
 
 
+def test_torch_lists_the_process_groups_in_pg_map():
+    """peer_failure.bound_every_group gives every process group of the process the collective timeout through
+    ``torch.distributed.distributed_c10d._pg_map`` (ProcessGroup -> (backend, store)) and the public
+    ``dist.set_timeout``."""
+    import torch.distributed as dist
+
+    pg_map = getattr(dist.distributed_c10d, "_pg_map", None)
+    assert isinstance(pg_map, dict), ("torch.distributed.distributed_c10d._pg_map changed: peer_failure.bound_every_group "
+                                      "lists the process groups through it")
+    assert list(inspect.signature(dist.set_timeout).parameters) == ["timeout", "group"]
+
+
 @pytest.mark.parametrize("args,kwargs,expected", [
     (("cpu",), {}, ("cpu", None)),
     ((torch.float64,), {}, (None, torch.float64)),
