@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, OnExceptionCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -172,6 +172,24 @@ class JAGGCLI(LightningCLI):
             super().instantiate_classes()
         except (ValueError, FileNotFoundError) as err:
             self._error(str(err))
+
+    def before_fit(self) -> None:
+        """``--ckpt_path last``: Lightning's choice (the newest of ModelCheckpoint's ``last`` files and
+        OnExceptionCheckpoint's), or the Preemption callback's checkpoint when that is newer -- a job restarted with
+        the same command after a stop resumes where it stopped."""
+        config = self.config_init["fit"]
+        if config.get("ckpt_path") != "last":
+            return
+        candidates = {p for c in self.trainer.callbacks if isinstance(c, Preemption)
+                      for p in [c.checkpoint_file(self.trainer)] if p.is_file()}
+        if not candidates:
+            return
+        for callback in self.trainer.checkpoint_callbacks:  # what Lightning's "last" would choose among
+            if isinstance(callback, ModelCheckpoint):
+                candidates |= {Path(p) for p in callback._find_last_checkpoints(self.trainer)}
+            if isinstance(callback, OnExceptionCheckpoint) and Path(callback.ckpt_path).is_file():
+                candidates.add(Path(callback.ckpt_path))
+        config["ckpt_path"] = str(max(candidates, key=lambda p: p.stat().st_mtime))
 
     def instantiate_trainer(self, **kwargs):
         """The Trainer with the crash-safe checkpoint plugin (unless the user gives a CheckpointIO), the step progress

@@ -48,6 +48,10 @@ class Preemption(L.Callback):
         self._stop: preemption.StopSignals | None = None
         self.checkpoint_path: Path | None = None  # written on the last stop
 
+    def checkpoint_file(self, trainer) -> Path:
+        """Where a stop writes its checkpoint outside SLURM (``--ckpt_path last`` considers it: cli.py)."""
+        return Path(self.dirpath or Path(trainer.default_root_dir) / "checkpoints") / f"{self.filename}.ckpt"
+
     # ------------------------------------------------------------------ handlers
     def on_train_start(self, trainer, pl_module) -> None:
         # after Lightning has set its own handlers (its SIGTERM one would stop only after the step, its SLURM one
@@ -82,7 +86,7 @@ class Preemption(L.Callback):
         if slurm:  # Lightning's own resume path on a requeued SLURM job
             path = Path(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
         else:
-            path = Path(self.dirpath or Path(trainer.default_root_dir) / "checkpoints") / f"{self.filename}.ckpt"
+            path = self.checkpoint_file(trainer)
         trainer.save_checkpoint(path)  # every process: a sharded strategy gathers; LoRAExport writes lora/last
         self.checkpoint_path = path
         if not trainer.is_global_zero:

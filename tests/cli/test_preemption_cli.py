@@ -1,6 +1,6 @@
 """`jagg fit` on a config that names no callbacks stops on SIGTERM with one line, a checkpoint and exit status 143
-(not 0: a scheduler must not read "finished"); `--ckpt_path` on that checkpoint finishes with the adapter a run
-never stopped writes, bit for bit."""
+(not 0: a scheduler must not read "finished"); the same command with `--ckpt_path last` resumes from that checkpoint
+and finishes with the adapter a run never stopped writes, bit for bit."""
 
 import os
 import random
@@ -62,7 +62,7 @@ def adapter(root: Path) -> dict:
 
 
 def test_sigterm_exits_143_and_resumes_to_the_same_adapter(tmp_path):
-    at_call = random.randrange(1, 6)  # 2 reward calls a step, 4 steps: the stop lands in steps 0..2
+    at_call = random.randrange(2, 6)  # 2 reward calls a step, 4 steps: the stop lands in steps 1..2
     full, first = tmp_path / "full", tmp_path / "first"
     (tmp_path / "full.yaml").write_text(CONFIG.format(root=full, at_call=-1))
     (tmp_path / "first.yaml").write_text(CONFIG.format(root=first, at_call=at_call))
@@ -78,7 +78,10 @@ def test_sigterm_exits_143_and_resumes_to_the_same_adapter(tmp_path):
     assert ckpt.is_file() and f"--ckpt_path {ckpt}" in lines[1]
     assert (first / "lora" / "last").is_dir() and not (first / "lora" / "final").exists()
 
-    resumed = fit(tmp_path / "first.yaml", "--ckpt_path", str(ckpt), "--model.reward.init_args.at_call", "-1")
+    # the same command with --ckpt_path last (what a restarted job runs) finds the stop's checkpoint: resumed at
+    # step 1 or 2 it scores at most 6 micro-batches, so the reward's signal at call 7 (step 3 of a run started over)
+    # never comes
+    resumed = fit(tmp_path / "first.yaml", "--ckpt_path", "last", "--model.reward.init_args.at_call", "7")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = adapter(first), adapter(full)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -78,7 +78,7 @@ def inject(module, stage, faults, value, rng):
 
 def named(step, samples):
     """How the message names a step's samples: prompt (dataset index) and member of its group."""
-    return ", ".join(f"prompt {2 * step + i // K} sample {i % K}" for i in sorted(samples)[:4])
+    return ", ".join(f"prompt {2 * step + i // K} sample {i % K}" for i in sorted(set(samples))[:4])
 
 
 def fit(module, steps, callbacks=()):

@@ -100,3 +100,21 @@ def test_module_to_reads_its_arguments_with_public_types_only(args, kwargs, expe
     device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)  # the reference only, never the package
     got_device, got_dtype = _to_arguments(args, kwargs)
     assert got_dtype == dtype and (got_device is None) == (device is None)
+
+
+def test_lightning_keeps_what_the_preemption_stop_reads():
+    """callbacks/preemption.py writes a SLURM job's checkpoint where Lightning's auto-resume looks
+    (``trainer._checkpoint_connector.hpc_save_path``), reads the cluster environment from
+    ``trainer._accelerator_connector``; cli.py's ``--ckpt_path last`` weighs ``ModelCheckpoint._find_last_checkpoints``
+    against the stop's checkpoint."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    assert callable(getattr(_CheckpointConnector, "hpc_save_path", None)), \
+        "lightning moved _CheckpointConnector.hpc_save_path: Preemption's SLURM checkpoint (callbacks/preemption.py)"
+    assert callable(getattr(ModelCheckpoint, "_find_last_checkpoints", None)), \
+        "lightning moved ModelCheckpoint._find_last_checkpoints: cli.py's --ckpt_path last"
+    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    assert hasattr(trainer._accelerator_connector, "cluster_environment"), \
+        "lightning moved _AcceleratorConnector.cluster_environment: Preemption's SLURM detection"
