@@ -108,10 +108,12 @@ def test_ddp_one_all_reduce_per_update_and_same_update_as_one_process(tmp_path, 
         for step in rep["steps"]:
             grad_ops = [op for op in step["ops"] if op == ["gloo:all_reduce", rep["lora_numel"]]]
             assert len(grad_ops) == updates, (name, step["ops"])
-            # everything else: the routing scores (a barrier and an all-reduce of one score per window) and,
-            # with global std, one all-reduce of (count, sum, sum of squares)
+            # everything else: the routing scores (a barrier and an all-reduce of one score per window), the
+            # non-finite guard's one all-reduce per update of a [world, row] table (nonfinite.py) and, with global
+            # std, one all-reduce of (count, sum, sum of squares)
             others = sorted(tuple(op) for op in step["ops"] if op not in grad_ops)
-            expected = [("gloo:all_reduce", rep["windows"]), ("gloo:barrier", 0)]
+            expected = sorted([("gloo:all_reduce", rep["windows"]), ("gloo:barrier", 0)]
+                              + [("gloo:all_reduce", 2)] * updates)
             if options["adv_std"] == "global":
                 expected = sorted(expected + [("gloo:all_reduce", 3)])
             assert others == expected, (name, step["ops"])
