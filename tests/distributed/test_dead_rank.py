@@ -136,7 +136,8 @@ SUBGROUP_SCRIPT = textwrap.dedent('''
     try:
         dist.all_reduce(torch.ones(2), group=group)
     except RuntimeError as error:
-        print("timed out" if "Timed out waiting 2000ms" in str(error) else str(error))
+        # any bound under the test's 120 s is ours (torch's own for a subgroup is 30 minutes)
+        print("timed out" if "Timed out" in str(error) else str(error))
         sys.exit(0)
 ''')
 
@@ -152,7 +153,7 @@ def test_every_process_group_gets_the_timeout(tmp_path):
         for p in procs:
             p.kill()
             p.communicate()
-    assert procs[0].returncode == 0 and out.strip() == "timed out", err[-3000:]
+    assert procs[0].returncode == 0 and out.strip() == "timed out", (out[-2000:], err[-3000:])
 
 
 def torchrun(args, cwd, max_restarts=1):
