@@ -38,37 +38,67 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# name -> (sampling overrides, jagg overrides)
+# name -> (sampling overrides, jagg overrides); every setting names fused_rollout (configs/digits_all_steps.yaml
+# turns it on, so the section's own value must not leak into "exact")
 SETTINGS = {
-    "exact": ({}, dict(jagg_frac=0.0)),
-    "W=4": ({}, dict(window_size=4, jagg_frac=1.0)),
+    "exact": ({}, dict(jagg_frac=0.0, fused_rollout=False)),
+    "W=4": ({}, dict(window_size=4, jagg_frac=1.0, fused_rollout=False)),
     "W=4 fused": ({}, dict(window_size=4, jagg_frac=1.0, fused_rollout=True)),
-    "T=8 W=4 (2 windows)": (dict(trained_steps=8), dict(window_size=4, jagg_frac=1.0)),
-    "T=8 exact": (dict(trained_steps=8), dict(jagg_frac=0.0)),
+    "T=8 W=4 (2 windows)": (dict(trained_steps=8), dict(window_size=4, jagg_frac=1.0, fused_rollout=False)),
+    "T=8 exact": (dict(trained_steps=8), dict(jagg_frac=0.0, fused_rollout=False)),
     # routing that pays (deliverable 3): 8 trained steps, W = 3 chained = windows (0,1,2) (2,3,4) (4,5,6) and the
     # exact tail (6,7); jagg_frac 0.5 routes round(1.5) = 2 of the 3 full windows, so half the windows are routed
     # and every rule saves the same 2 interior passes (chained W = 3 windows share no interior): equal passes
     **{f"T=8 W=3 chained, {rule}": (dict(trained_steps=8), dict(window_size=3, chained=True, jagg_frac=0.5,
-                                                                   routing=rule))
+                                                                   routing=rule, fused_rollout=False))
        for rule in ("residual", "cosine", "random")},
+    # the paper's regime (issue 29, --config configs/digits_all_steps.yaml: all 10 steps trained): W = 5 windows
+    # (0..4) (5..9); three anchors per 5 steps = W = 3 chained (0,1,2) (2,3,4) ... (6,7,8) + the exact tail (8,9)
+    # (piecewise linear through a middle anchor); the control variate on W = 5 (p = 0.5: a routed window also
+    # gets its exact gradient half the time, unbiased)
+    "W=5": ({}, dict(window_size=5, jagg_frac=1.0, fused_rollout=False)),
+    "W=5 fused": ({}, dict(window_size=5, jagg_frac=1.0, fused_rollout=True)),
+    "3 anchors fused": ({}, dict(window_size=3, chained=True, jagg_frac=1.0, fused_rollout=True)),
+    "W=5 control variate": ({}, dict(window_size=5, jagg_frac=1.0, fused_rollout=False, estimator="control_variate",
+                                     control_p=0.5)),
 }
 ROUTING = [n for n in SETTINGS if n.startswith("T=8 W=3 chained")]
 
 # The cost model of docs/method.md §7 per training step, in units of one forward F over the rollout
-# (S = 10 sampling steps; B = 1.2 F with LoRA only; decode, reward and optimizer neglected, F_g = F):
-# exact T (F + B); unfused JAGG: 2 anchor forwards + 2 backward per window (interiors cached);
-# fused: only the backward of the kept anchors.
+# (S sampling steps; B = 1.2 F with LoRA only; decode, reward and optimizer neglected, F_g = F):
+# the rollout S F; exact T (F + B); unfused JAGG (F + B) per pass step (the anchors; interiors cached; a tail
+# window's steps); fused: only B per pass step (its forward was the rollout's); the control variate adds its
+# drawn windows' interiors, p (W - 2) (F + B) each in expectation.
 B_OVER_F = 1.2
 
 
-def model_cost(name: str) -> float:
-    S, f, b = 10, 1.0, B_OVER_F
-    return S + backward_passes(name) * (f + b) - (2 * f if name == "W=4 fused" else 0)
+def pass_steps(name: str, trained: int) -> float:
+    """Pass steps per sample and training step (a batched anchor pair counts 2; expectation for the control
+    variate) when ``trained`` steps are trained."""
+    from jagg_lightning.jagg import plan_windows
+
+    sampling, jagg = SETTINGS[name]
+    trained = sampling.get("trained_steps", trained)
+    if jagg.get("jagg_frac", 0.5) == 0.0:
+        return float(trained)
+    windows = plan_windows(range(trained), jagg["window_size"], jagg.get("chained", False))
+    routed = [w.steps for w in windows if len(w.steps) > 2]
+    if jagg.get("jagg_frac") != 1.0:  # the routing comparison: 2 of the 3 full windows routed
+        routed = routed[:round(jagg["jagg_frac"] * len(routed))]
+    steps = {k for w in windows for k in w.steps} - {k for w in routed for k in w[1:-1]}
+    extra = jagg.get("control_p", 0.0) * sum(len(w) - 2 for w in routed) if "estimator" in jagg else 0.0
+    return len(steps) + extra
 
 
-def backward_passes(name: str) -> int:
+def model_cost(name: str, num_steps: int = 10, trained: int = 4) -> float:
+    passes = pass_steps(name, trained)
+    per_pass = B_OVER_F if SETTINGS[name][1].get("fused_rollout") else 1.0 + B_OVER_F
+    return num_steps + passes * per_pass
+
+
+def backward_passes(name: str, trained: int = 4) -> float:
     """Pass steps per sample and training step (a batched anchor pair counts 2)."""
-    return {"exact": 4, "W=4": 2, "W=4 fused": 2, "T=8 W=4 (2 windows)": 4, "T=8 exact": 8}.get(name, 6)
+    return pass_steps(name, trained)
 
 
 class Recorder(L.Callback):
@@ -139,7 +169,11 @@ def run(args) -> dict:
     reward, judge = DigitReward(), load_judge()
     eval_prompts = digit_prompts(HELDOUT_TEMPLATES)
     out = Path(args.out) / args.name
+    out.parent.mkdir(parents=True, exist_ok=True)
     result = json.loads(out.read_text()) if args.resume and out.exists() else {"runs": []}
+    sampling = base_cfg["model"]["sampling"]
+    result["regime"] = {"config": Path(args.config).name, "num_steps": sampling["num_steps"],
+                        "trained": sampling.get("trained_steps") or sampling["num_steps"] - 1}
     result.update({"args": vars(args), "settings": {k: list(v) for k, v in SETTINGS.items()},
                    "torch": torch.__version__, "threads": torch.get_num_threads()})
     done = {(r["seed"], r["setting"]) for r in result["runs"]}
@@ -208,6 +242,7 @@ def summarise(result: dict) -> dict:
     by = {(r["seed"], r["setting"]): r for r in runs}
     seeds = sorted({s for s, n in by if n == "exact"})  # each setting: the seeds it shares with exact
     keys = ("accuracy", "reward", "judge_accuracy", "judge_agreement")
+    regime = result.get("regime", {"config": "digits.yaml", "num_steps": 10, "trained": 4})  # older JSONs: digits.yaml
     exact_final = {k: mean_ci([by[(s, "exact")]["evals"][-1][k] for s in seeds])[0] for k in keys}
     table = {}
     for name in names:
@@ -220,8 +255,9 @@ def summarise(result: dict) -> dict:
         ex_cpu_curve = summary_curve(by, own, "exact", "cpu")
         row = {"seeds": [r["seed"] for r in rs], "cpu_s": mean_ci([r["cpu"][-1] for r in rs]),
                "cpu_vs_exact": mean_ci([r["cpu"][-1] / by[(r["seed"], "exact")]["cpu"][-1] for r in rs]),
-               "model_ratio": model_cost(name) / model_cost("exact"),
-               "backward_ratio": backward_passes(name) / backward_passes("exact")}
+               "model_ratio": model_cost(name, regime["num_steps"], regime["trained"])
+               / model_cost("exact", regime["num_steps"], regime["trained"]),
+               "backward_ratio": backward_passes(name, regime["trained"]) / backward_passes("exact", regime["trained"])}
         for k in keys:
             row[f"{k}_start"] = mean_ci([r["evals"][0][k] for r in rs])
             row[f"{k}_final"] = mean_ci([r["evals"][-1][k] for r in rs])
@@ -245,7 +281,7 @@ def summarise(result: dict) -> dict:
             row[f"curve_{k}"] = curve
         row["curve_steps"], row["curve_cpu"] = steps, cpu
         table[name] = row
-    return {"seeds": seeds, "exact_final": exact_final, "table": table}
+    return {"seeds": seeds, "regime": regime, "exact_final": exact_final, "table": table}
 
 
 def extended_time_to_quality(result: dict, extended: dict) -> dict:
@@ -350,7 +386,8 @@ def plot(result: dict, summary: dict, path: Path) -> None:
         for col in (0, 1):
             axes[row, col].axhline(summary["exact_final"][key], color="grey", ls=":", lw=1)
     axes[0, 0].legend(fontsize=8)
-    fig.suptitle(f"digits test bed, configs/digits.yaml: exact GRPO vs JAGG, mean ± 95 % CI of seeds {summary['seeds']}")
+    fig.suptitle(f"digits test bed, configs/{summary['regime']['config']}: exact GRPO vs JAGG, mean ± 95 % CI of seeds "
+                 f"{summary['seeds']}")
     fig.tight_layout()
     fig.savefig(path, dpi=70)
     plt.close(fig)
@@ -365,7 +402,8 @@ def main(argv=None):
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-samples", type=int, default=8, help="samples per held-out prompt (30 prompts)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--name", default="time_to_quality.json", help="the raw JSON's file name under --out")
+    p.add_argument("--name", default="time_to_quality.json", help="the raw JSON's file name under --out (the summary "
+                   "and plot are named after it)")
     p.add_argument("--resume", action="store_true", help="keep the runs already in the JSON, do the rest")
     p.add_argument("--replot", nargs="+", default=None, help="saved JSONs (their runs merged; a repeated run is "
                    "taken from the first file)")
@@ -381,8 +419,9 @@ def main(argv=None):
         print(json.dumps(summary["extended"], indent=1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "time_to_quality_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    plot(result, summary, out / "time_to_quality.png")
+    stem = Path(args.name).stem  # time_to_quality.json -> time_to_quality_summary.json, time_to_quality.png
+    (out / f"{stem}_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot(result, summary, out / f"{stem}.png")
     print(tables(summary))
 
 

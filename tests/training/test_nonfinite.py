@@ -69,7 +69,9 @@ def inject(module, stage, faults, value, rng):
     elif stage == "advantages":
         poison_advantages(module, faults, value)
     elif stage == "loss":  # -inf old log-prob: ratio inf, so the loss of a negative-advantage sample is +inf
-        return poison_log_probs(module, faults, NAN if value != value else -INF, negative_advantage=value == INF)
+        # the group's lowest reward: a sample whose advantage is exactly 0 gets no pass (skip_zero_advantage), so a
+        # NaN there never reaches a loss (a JPEG reward of 1e-3 steps can equal its group's mean)
+        return poison_log_probs(module, faults, NAN if value != value else -INF, negative_advantage=True)
     else:
         poison_gradient(module, set(faults), value)
         return {step: list(range(PER_STEP)) for step in faults}  # a gradient names the update's samples
