@@ -56,7 +56,7 @@ DESCRIPTION = ("jagg: GRPO fine-tuning of flow-matching text-to-image transforme
 # model settings an existing checkpoint does not depend on: changing them on resume is safe
 SAFE_ON_RESUME = ("sampling.", "grpo.", "jagg.", "memory.", "evaluation.", "reward", "reward_workers",
                   "policy.guidance_scale", "policy.negative_prompt", "policy.max_sequence_length", "policy.resolution",
-                  "policy.num_frames", "policy.dtype")
+                  "policy.num_frames", "policy.dtype", "policy.compile")
 
 
 def _leaves(namespace) -> dict:

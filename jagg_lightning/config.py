@@ -12,6 +12,7 @@ from typing import Literal
 
 
 from jagg_lightning.checks import check, check_ints, one_of
+from jagg_lightning.compiling import COMPILE_MODES
 from jagg_lightning.dtypes import DTYPES
 from jagg_lightning.estimators import ESTIMATORS
 from jagg_lightning.full_finetune import check_trainable
@@ -50,6 +51,9 @@ class PolicyConfig:
         Wan2.2: ``transformer_2`` loads the ``peft_transformer_2/`` or ``diffusers_transformer_2/`` part beside it.
     seed: a policy built on its own: the tiny model's init (seed) and the LoRA init (seed + 1, + 2 for Wan2.2's
         ``transformer_2``). In a ``JAGGModule`` deprecated: ``model.seed`` (0 here means that root seed).
+    compile: null (eager) or "repeated_blocks": regional compilation, each trained network's repeated block
+        compiled once with ``torch.compile`` after the LoRA is injected (:mod:`jagg_lightning.compiling`; the
+        module applies it in ``configure_model``, a policy built on its own through ``compiling.compile_policy``).
 
     The checks here read nothing but the fields. The family name, the local paths (``pretrained``, ``adapter``:
     found from any directory, :mod:`jagg_lightning.assets`; ``pretrained: digits`` is the shipped test bed) and what a
@@ -76,6 +80,7 @@ class PolicyConfig:
     num_frames: int | None = None
     guidance_scale_2: float | None = None
     adapter: str | None = None
+    compile: str | None = None
 
     def __post_init__(self):
         def integer(name, value, allowed, ok):
@@ -104,6 +109,9 @@ class PolicyConfig:
                 isinstance(t, str) and t for t in self.lora_targets)):
             raise ValueError("policy.lora_targets must be a non-empty list of module names or null (the family's "
                              f"default), got {self.lora_targets!r}")
+        check(self.compile is None or self.compile in COMPILE_MODES, "policy.compile",
+              f"null (eager) or {one_of(COMPILE_MODES)} "
+              "(torch.compile of each repeated transformer block)", self.compile)
         check_trainable(self, PolicyConfig)
 
 
