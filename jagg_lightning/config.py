@@ -31,7 +31,7 @@ class PolicyConfig:
     pretrained: local directory or hub id of the family's pipeline; None builds the family's tiny model.
     lora_rank / lora_alpha / lora_targets: the peft LoRA; lora_targets None = the family's default
         (Flow-GRPO's targets for that family).
-    guidance_scale: the family's guidance: CFG for SD3 (1.0 = off, one forward instead of two), the
+    guidance_scale: the family's guidance: CFG for SD3 (1.0 = off: a forward of n rows, not one of 2n), the
         embedded distilled guidance for FLUX.1-dev.
     resolution: the image size in pixels: ``[height, width]``, or one integer for a square; None = the family's
         native size (:func:`image_size`). Each side must be a multiple of the VAE factor times the patch side.
