@@ -21,6 +21,7 @@ from torch import Tensor
 
 from jagg_lightning.batching import batch_slice
 from jagg_lightning.dtypes import compute_dtype
+from jagg_lightning.ode_solvers import ode_tail
 from jagg_lightning.rewards import Reward
 from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.rollout import (
@@ -101,15 +102,23 @@ class Sampler:
         ``step_kinds`` default: those of the rollout at ``step`` (:func:`~jagg_lightning.rollout.step_kinds_at`).
         With kl_beta > 0 the reference velocity (adapter off) of every ``reference_steps`` step is taken
         inside the rollout, on the same z and t (``trajectory.ref_velocities``). The fused mode's ``graph_steps``
-        keep their graphs for the first ``graph_samples`` samples of each micro-batch (None: all)."""
+        keep their graphs for the first ``graph_samples`` samples of each micro-batch (None: all). With
+        ``sampling.ode_steps`` the ODE tail after the trained steps runs on its own grid (:meth:`rollout_grid`)."""
+        times, kinds = self.rollout_grid(step_kinds or step_kinds_at(self.sampling, step)[0])
         return rollout_micro_batches(
             self.velocity, cond, sample_generators(self.sampling.seed, step, prompt_indices, self.sampling.group_size),
-            self.policy.latent_shape, self.times, step_kinds or step_kinds_at(self.sampling, step)[0],
-            self.sampling.noise_level, self.sampling.rollout_batch_size, self.device, self.sde_dtype,
-            self.sampling.cps_log_prob,
+            self.policy.latent_shape, times, kinds, self.sampling.noise_level, self.sampling.rollout_batch_size,
+            self.device, self.sde_dtype, self.sampling.cps_log_prob,
             reference_fn=self.reference_velocity if self.kl_beta > 0 and reference_steps else None,
             reference_steps=set(reference_steps), grad_steps=set(graph_steps), grad_samples=graph_samples,
+            ode_solver=self.sampling.ode_solver,
         )
+
+    def rollout_grid(self, step_kinds: list[str]) -> tuple[Tensor, list[str]]:
+        """The rollout's times and step kinds: the schedule and ``step_kinds`` (length ``num_steps``), or with
+        ``sampling.ode_steps`` the trained steps' times and kinds, then the ODE tail's ``ode_steps`` steps to 0
+        (:func:`~jagg_lightning.ode_solvers.ode_tail`; the trained steps' indices and times are unchanged)."""
+        return ode_tail(self.times, step_kinds, self.sampling.num_trained, self.sampling.ode_steps)
 
     def trajectories(self, prompts: list[str], prompt_indices: list[int], step: int,
                      step_kinds: list[str] | None = None, reference_steps: Collection[int] = ()) -> tuple[Trajectory, tuple]:
