@@ -26,15 +26,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
 from jagg_lightning.checks import check, one_of
-
-if TYPE_CHECKING:
-    from jagg_lightning.config import SamplingConfig
 
 ODE_SOLVERS = ("euler", "dpmpp_2m")
 
@@ -106,8 +101,9 @@ class ODEStepper:
         return (t_next / t) * z - coef * x_hat - (0.5 * coef / r) * (x_hat - x_prev)
 
 
-def check_ode_tail(s: SamplingConfig) -> None:
-    """``sampling.ode_solver`` and ``sampling.ode_steps`` (the fields' message names the range)."""
+def check_ode_tail(s) -> None:
+    """``sampling.ode_solver`` and ``sampling.ode_steps`` of the ``SamplingConfig`` ``s`` (a message names the field and
+    its range)."""
     check(s.ode_solver in ODE_SOLVERS, "sampling.ode_solver", one_of(ODE_SOLVERS), s.ode_solver)
     tail = s.ode_after_trained and s.sde_window_size is None
     why = ("sampling.ode_after_trained true and no sampling.sde_window_size (the tail after the trained steps; "
