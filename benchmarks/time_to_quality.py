@@ -96,11 +96,6 @@ def model_cost(name: str, num_steps: int = 10, trained: int = 4) -> float:
     return num_steps + passes * per_pass
 
 
-def backward_passes(name: str, trained: int = 4) -> float:
-    """Pass steps per sample and training step (a batched anchor pair counts 2)."""
-    return pass_steps(name, trained)
-
-
 class Recorder(L.Callback):
     """Training reward and CPU time per step (the step only), held-out evaluation every ``every`` steps."""
 
@@ -257,7 +252,7 @@ def summarise(result: dict) -> dict:
                "cpu_vs_exact": mean_ci([r["cpu"][-1] / by[(r["seed"], "exact")]["cpu"][-1] for r in rs]),
                "model_ratio": model_cost(name, regime["num_steps"], regime["trained"])
                / model_cost("exact", regime["num_steps"], regime["trained"]),
-               "backward_ratio": backward_passes(name, regime["trained"]) / backward_passes("exact", regime["trained"])}
+               "backward_ratio": pass_steps(name, regime["trained"]) / pass_steps("exact", regime["trained"])}
         for k in keys:
             row[f"{k}_start"] = mean_ci([r["evals"][0][k] for r in rs])
             row[f"{k}_final"] = mean_ci([r["evals"][-1][k] for r in rs])
