@@ -40,6 +40,7 @@ from jagg_lightning.cli_errors import (
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.io import WriteError
 from jagg_lightning.checks import PolicyBuildError, check_precision
+from jagg_lightning.collectives import end_process_group
 from jagg_lightning.context_parallel import ContextParallelError
 from jagg_lightning.module import JAGGModule
 from jagg_lightning.nonfinite import NonFiniteError
@@ -295,6 +296,7 @@ def main() -> None:
         raise SystemExit(plan_main(sys.argv[2:], parse_config))
     try:
         cli_main()
+        end_process_group()  # every rank finished: leave together, before interpreter shutdown (collectives.py)
     # a reward (a server) failed, non-finite values stopped the run, or a checkpoint / export could not be written (a
     # full disk): one line, no traceback; the checkpoints and adapters written before are intact
     except (RewardError, NonFiniteError, WriteError) as err:

@@ -19,7 +19,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# the README's command runs two pytest-xdist workers: each gets its share of the (at most 2) threads
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 from helpers import SEED_VARIABLE, fresh_seed  # noqa: E402 (tests/support is on the path from here on)

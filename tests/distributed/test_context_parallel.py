@@ -106,6 +106,8 @@ RANK_SCRIPT = textwrap.dedent('''
             refused[name] = [exit.code, err.getvalue().strip().splitlines()[-1]]
     with open(report, "w") as f:
         json.dump(refused, f)
+    from jagg_lightning.collectives import end_process_group
+    end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
 
 

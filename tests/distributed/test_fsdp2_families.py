@@ -43,6 +43,8 @@ RANK_SCRIPT = textwrap.dedent('''
         weights = {n: p.full_tensor().detach().contiguous() for n, p in module.named_parameters() if p.requires_grad}
         if trainer.global_rank == 0:
             save_file(weights, f"{out}/{case.name}_fsdp.safetensors")
+    from jagg_lightning.collectives import end_process_group
+    end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
 
 

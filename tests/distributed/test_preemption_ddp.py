@@ -29,6 +29,8 @@ RANK = textwrap.dedent('''
     rows, weights, stopped = run(seed, f"{root}/{folder}", faults=faults, ckpt_path=ckpt, devices=2, strategy="ddp")
     save_file({str(i): w.contiguous() for i, w in enumerate(weights)}, f"{root}/{mode}_rank{rank}.safetensors")
     print(json.dumps({"rows": rows, "stopped": None if stopped is None else [stopped.code, stopped.step, stopped.where]}))
+    from jagg_lightning.collectives import end_process_group
+    end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
 
 

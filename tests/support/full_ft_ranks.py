@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
+from jagg_lightning.collectives import end_process_group
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.policies import PolicyConfig
@@ -118,3 +119,4 @@ def mixed_precision(seed, out):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    end_process_group()  # every rank finished: leave together (collectives.end_process_group)
