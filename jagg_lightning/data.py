@@ -2,8 +2,10 @@
 
 The data contract (for your own DataLoader): every batch is ``{"prompt": [str, ...], "index": [int, ...]}``
 -- what a default-collated DataLoader over :class:`PromptDataset` yields. The index seeds the prompt's
-rollout noise, so it must identify the prompt (not its position in the batch). Validation and predict
-loaders follow the same contract.
+rollout noise, so it must identify the prompt (not its position in the batch). A batch of plain strings
+(a DataLoader over a list of prompts) or ``{"prompt": [...]}`` without indices is accepted too: each prompt's
+index is then :func:`prompt_index` of its text, which survives shuffling, resuming, batch size and the number
+of processes. Validation and predict loaders follow the same contract.
 
 The loader is resumable: Lightning saves its ``state_dict`` (epoch and batches consumed) in every
 checkpoint, so a run resumed mid-epoch sees exactly the prompts it would have seen.
@@ -11,6 +13,7 @@ checkpoint, so a run resumed mid-epoch sees exactly the prompts it would have se
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Callable
 
@@ -46,17 +49,34 @@ def check_prompts(prompts, field: str) -> list[str]:
     return [p.strip() for p in prompts]
 
 
+def prompt_index(prompt: str) -> int:
+    """The index of a prompt given without one: the first 4 bytes of the SHA-256 of its UTF-8 text, little-endian,
+    shifted right by one (an int in [0, 2**31)). It depends on the text alone -- not on the order a shuffle deals
+    the prompts, the batch, the process, or how far a resumed loader had got -- so a prompt draws the same noise at
+    a given step in every run (a position in the epoch would change with each shuffle, and a plain DataLoader does
+    not restore its position on resume). Two identical prompts share it (and so their noise at a step)."""
+    digest = hashlib.sha256(prompt.encode("utf-8")).digest()
+    return int.from_bytes(digest[:4], "little") >> 1
+
+
 def unpack_prompt_batch(batch) -> tuple[list[str], list[int]]:
     """The data contract: a batch is ``{"prompt": [str, ...], "index": [int, ...]}`` (what a DataLoader over
-    :class:`jagg_lightning.data.PromptDataset` yields); the index seeds that prompt's noise."""
+    :class:`jagg_lightning.data.PromptDataset` yields); the index seeds that prompt's noise. Plain strings (a
+    list, a tuple or one ``str``) or ``{"prompt": [...]}`` alone take :func:`prompt_index` of each text."""
+    if isinstance(batch, str):
+        batch = [batch]
+    if isinstance(batch, (list, tuple)) and batch and all(isinstance(p, str) for p in batch):
+        batch = {"prompt": list(batch)}
+    if isinstance(batch, dict) and "prompt" in batch and "index" not in batch:
+        prompts = [batch["prompt"]] if isinstance(batch["prompt"], str) else list(batch["prompt"])
+        if not all(isinstance(p, str) for p in prompts):
+            raise TypeError(f"a batch's prompts must be strings, got {[type(p).__name__ for p in prompts]}")
+        batch = {"prompt": prompts, "index": [prompt_index(p) for p in prompts]}
     if not (isinstance(batch, dict) and "prompt" in batch and "index" in batch):
-        got = type(batch).__name__
-        if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], str):
-            got = "a list of strings"
         raise TypeError(
-            f"JAGGModule batches must be dicts {{'prompt': [str], 'index': [int]}} (each prompt's index seeds its "
-            f"noise), got {got}: wrap your prompts in jagg_lightning.data.PromptDataset(prompts) or use "
-            "PromptDataModule"
+            f"JAGGModule batches must be prompt strings or dicts {{'prompt': [str], 'index': [int]}} (each prompt's "
+            f"index seeds its noise), got {type(batch).__name__}: wrap your prompts in "
+            "jagg_lightning.data.PromptDataset(prompts) or use PromptDataModule"
         )
     prompts, indices = list(batch["prompt"]), [int(i) for i in batch["index"]]
     if len(prompts) != len(indices) or not all(isinstance(p, str) for p in prompts):

@@ -1,5 +1,5 @@
 """Sample images on disk and in loggers: grids of samples, the run's log directory, and every attached logger
-that takes images, each through its own Lightning API."""
+that takes images or videos, each through its own API (:func:`log_media`: TensorBoard, MLflow, W&B, ...)."""
 
 from __future__ import annotations
 
@@ -31,24 +31,6 @@ def log_dir(trainer) -> Path:
     return Path(trainer.log_dir or trainer.default_root_dir)
 
 
-def log_image(trainer, key: str, image: np.ndarray, step: int) -> list[str]:
-    """Send one RGB image (uint8 [H, W, 3]) to every image-capable logger of ``trainer``: TensorBoard
-    (``experiment.add_image``), MLflow (``experiment.log_image`` of the logger's run) and any logger with a
-    ``log_image(key, images, step)`` method (W&B, Neptune, ...). Returns the class names of those that took it."""
-    took = []
-    for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):
-            logger.experiment.add_image(key, image, step, dataformats="HWC")
-        elif isinstance(logger, MLFlowLogger):
-            logger.experiment.log_image(logger.run_id, image, key=key.replace("/", "_"), step=step)
-        elif callable(getattr(logger, "log_image", None)):
-            logger.log_image(key=key, images=[image], step=step)
-        else:
-            continue
-        took.append(type(logger).__name__)
-    return took
-
-
 def gif_bytes(frames: np.ndarray, fps: float = 8.0) -> bytes:
     """uint8 frames [F, H, W, 3] -> an animated GIF (Pillow; loops forever)."""
     import io
@@ -61,24 +43,84 @@ def gif_bytes(frames: np.ndarray, fps: float = 8.0) -> bytes:
     return buffer.getvalue()
 
 
-def log_video(trainer, key: str, frames: np.ndarray, step: int, fps: float = 8.0) -> list[str]:
-    """Send a video (uint8 [F, H, W, 3]) to the loggers that take one: TensorBoard as an animated GIF image
-    summary (what ``add_video`` writes, without its moviepy dependency) and any logger with a
-    ``log_video(key, videos, step, fps=, format=)`` method (W&B). Returns the class names of those that took it."""
+def log_media(trainer, key: str, media: np.ndarray, step: int, fps: float = 8.0) -> list[str]:
+    """Send an RGB image (uint8 [H, W, 3]) or a video (uint8 [F, H, W, 3]) as ``key`` to every attached logger
+    that takes it, each by its own API:
+
+    * ``TensorBoardLogger``: ``add_image``; a video as an animated GIF image summary (what ``add_video`` writes,
+      without its moviepy dependency; TensorBoard's image tab plays it);
+    * ``MLFlowLogger``: ``log_image`` on the logger's run (``images/<key>+step+<step>+...png``); a video as the
+      artifact ``videos/<key>_step_<step>.gif``;
+    * ``WandbLogger``: ``log_image`` (``wandb.Image``); a video as ``wandb.Video`` of the GIF's bytes (no moviepy);
+    * any other logger with W&B-style ``log_image(key, images, step)`` / ``log_video(key, videos, step, fps=,
+      format=)`` methods (Neptune, your own); loggers without them (CSV) are skipped.
+
+    Returns the class names of the loggers that took it. Call on rank zero only."""
+    from lightning.pytorch.loggers import WandbLogger  # importable without wandb (imported when a run starts)
+
+    video = media.ndim == 4
     took = []
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
-            from tensorboard.compat.proto.summary_pb2 import Summary
-
-            image = Summary.Image(height=frames.shape[1], width=frames.shape[2], colorspace=3,
-                                  encoded_image_string=gif_bytes(frames, fps))
-            logger.experiment._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=key, image=image)]), step)
-        elif callable(getattr(logger, "log_video", None)):
-            logger.log_video(key=key, videos=[frames.transpose(0, 3, 1, 2)], step=step, fps=[fps], format=["gif"])
+            _to_tensorboard(logger, key, media, step, fps)
+        elif isinstance(logger, MLFlowLogger):
+            _to_mlflow(logger, key, media, step, fps)
+        elif isinstance(logger, WandbLogger):
+            _to_wandb(logger, key, media, step, fps)
+        elif not video and callable(getattr(logger, "log_image", None)):
+            logger.log_image(key=key, images=[media], step=step)
+        elif video and callable(getattr(logger, "log_video", None)):
+            logger.log_video(key=key, videos=[media.transpose(0, 3, 1, 2)], step=step, fps=[fps], format=["gif"])
         else:
             continue
         took.append(type(logger).__name__)
     return took
+
+
+def log_image(trainer, key: str, image: np.ndarray, step: int) -> list[str]:
+    """One RGB image (uint8 [H, W, 3]) to every logger that takes images (:func:`log_media`)."""
+    if image.ndim != 3:
+        raise ValueError(f"log_image: {key} must be uint8 [H, W, 3], got shape {image.shape}")
+    return log_media(trainer, key, image, step)
+
+
+def log_video(trainer, key: str, frames: np.ndarray, step: int, fps: float = 8.0) -> list[str]:
+    """One video (uint8 [F, H, W, 3]) to every logger that takes videos (:func:`log_media`)."""
+    if frames.ndim != 4:
+        raise ValueError(f"log_video: {key} must be uint8 [F, H, W, 3], got shape {frames.shape}")
+    return log_media(trainer, key, frames, step, fps)
+
+
+def _to_tensorboard(logger, key: str, media: np.ndarray, step: int, fps: float) -> None:
+    if media.ndim == 3:
+        logger.experiment.add_image(key, media, step, dataformats="HWC")
+        return
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    image = Summary.Image(height=media.shape[1], width=media.shape[2], colorspace=3,
+                          encoded_image_string=gif_bytes(media, fps))
+    logger.experiment._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=key, image=image)]), step)
+
+
+def _to_mlflow(logger, key: str, media: np.ndarray, step: int, fps: float) -> None:
+    if media.ndim == 3:
+        logger.experiment.log_image(logger.run_id, media, key=key.replace("/", "_"), step=step)
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / f"{key.replace('/', '_')}_step_{step:06d}.gif"
+        path.write_bytes(gif_bytes(media, fps))
+        logger.experiment.log_artifact(logger.run_id, str(path), artifact_path="videos")
+
+
+def _to_wandb(logger, key: str, media: np.ndarray, step: int, fps: float) -> None:
+    if media.ndim == 3:
+        logger.log_image(key=key, images=[media], step=step)
+        return
+    import io
+
+    logger.log_video(key=key, videos=[io.BytesIO(gif_bytes(media, fps))], step=step, format=["gif"])
 
 
 def write_image(trainer, path: Path, key: str, image: np.ndarray) -> Path:
@@ -89,10 +131,10 @@ def write_image(trainer, path: Path, key: str, image: np.ndarray) -> Path:
     if image.ndim == 4:  # a video [F, H, W, 3]: an animated GIF beside where the PNG would be
         path = path.with_suffix(".gif")
         atomic_write(path, lambda tmp: Path(tmp).write_bytes(gif_bytes(image)))
-        log_video(trainer, key, image, trainer.global_step)
+        log_media(trainer, key, image, trainer.global_step)
         return path
     atomic_write(path, lambda tmp: Image.fromarray(image).save(tmp, format="PNG"))
-    log_image(trainer, key, image, trainer.global_step)
+    log_media(trainer, key, image, trainer.global_step)
     return path
 
 

@@ -7,7 +7,7 @@ reward scored by a ``jagg serve-reward`` server.
 """
 
 from jagg_lightning.rewards.aesthetic import AestheticReward
-from jagg_lightning.rewards.base import Reward, check_images, to_pil
+from jagg_lightning.rewards.base import CallableReward, Reward, check_images, to_pil
 from jagg_lightning.rewards.clipscore import CLIPScoreReward
 from jagg_lightning.rewards.digits import DigitReward
 from jagg_lightning.rewards.hpsv2 import HPSv2Reward
@@ -23,7 +23,7 @@ from jagg_lightning.rewards.weighted import WeightedReward, component_weights
 REWARDS: dict[str, type[Reward]] = {name: reward_class(name) for name in REWARD_CLASSES}
 
 
-__all__ = ["REWARDS", "AestheticReward", "CLIPScoreReward", "DigitReward", "FrameReward", "HPSv2Reward",
+__all__ = ["REWARDS", "AestheticReward", "CLIPScoreReward", "CallableReward", "DigitReward", "FrameReward", "HPSv2Reward",
            "JpegCompressibility", "JpegIncompressibility", "MONITOR_PREFIX", "MonitoredReward", "OcrReward",
            "PickScoreReward", "REWARD_CLASSES", "RemoteReward", "Reward", "TemporalConsistency", "WeightedReward",
            "build_reward", "check_images", "component_weights", "describe_reward", "reward_class", "to_pil"]

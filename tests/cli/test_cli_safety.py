@@ -287,7 +287,8 @@ class FailsOnSecondCall(Reward):
         return images.mean((1, 2, 3))
 
 
-def test_failing_reward_is_named_and_plain_string_loader_is_explained(rng_seed):
+def test_failing_reward_is_named_and_a_loader_without_prompts_is_explained(rng_seed):
+    """(A loader of plain prompt strings is accepted: tests/training/test_drop_in.py.)"""
     seed = rng_seed % 10_000
     reward = WeightedReward([JpegCompressibility(), FailsOnSecondCall()])
     module = JAGGModule(tiny_policy_config(), SamplingConfig(num_steps=4, group_size=2, rollout_batch_size=2),
@@ -296,9 +297,10 @@ def test_failing_reward_is_named_and_plain_string_loader_is_explained(rng_seed):
                         enable_checkpointing=False, enable_model_summary=False)
     with pytest.raises(RuntimeError, match=r"reward flaky_scorer \(FailsOnSecondCall\) failed: OSError: scorer server"):
         trainer.fit(module, PromptDataModule(prompts=PROMPTS[:2], batch_size=2))
-    with pytest.raises(TypeError, match=r"batches must be dicts \{'prompt': \[str\], 'index': \[int\]\}.*a list of strings"):
+    with pytest.raises(TypeError, match=r"batches must be prompt strings or dicts \{'prompt': \[str\], 'index': "
+                                        r"\[int\]\}.*got Tensor"):
         L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                  enable_model_summary=False).fit(module, DataLoader(["a cat", "a dog"], batch_size=2))
+                  enable_model_summary=False).fit(module, DataLoader([3, 4], batch_size=2))
 
 
 @pytest.mark.parametrize("build,field", [
