@@ -8,6 +8,9 @@ HTTP, :mod:`jagg_lightning.rewards.server`) and ``plan`` (the memory of a config
 What the CLI adds to LightningCLI:
 
 - the ``lora_export`` section (the adapter is always written at the end of fit);
+- a new ``fit`` never replaces an earlier run's exported adapter or checkpoints: it stops at start, naming the folder,
+  unless it resumes (``--ckpt_path``) or is told ``--overwrite true`` (:mod:`jagg_lightning.cli_outputs`);
+- abbreviated options are refused (``--trainer.max_step`` is not ``max_steps``: "did you mean"), as typos are;
 - crash-safe checkpoints (:class:`AtomicCheckpointIO`) unless the user gives their own checkpoint plugin, and
   :class:`Preemption` (SIGTERM / SIGUSR1: a checkpoint at the next safe point, exit status 128 + signal) unless the
   config names one, added at trainer construction so that every saved or printed config stays re-runnable;
@@ -24,7 +27,7 @@ import sys
 from pathlib import Path
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, OnExceptionCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -37,6 +40,7 @@ from jagg_lightning.cli_errors import (
     as_user_field, check_checkpoint_file, check_trainer, command_line_keys, explain_parse_error, flat_keys, one_line,
     strategy_error,
 )
+from jagg_lightning.cli_outputs import check_new_run, last_candidates
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.io import WriteError
 from jagg_lightning.checks import PolicyBuildError, check_precision
@@ -83,6 +87,11 @@ class JAGGCLI(LightningCLI):
             known = set()
             for sub in getattr(self, "_subcommand_parsers", {}).values():
                 known |= flat_keys(sub.get_defaults())
+            if not known:  # no subcommands (jagg plan's parse of a fit config): the parser's own keys
+                try:
+                    known = flat_keys(parser.get_defaults())
+                except Exception:  # a parser that cannot give its defaults: the line without a suggestion
+                    pass
             self._error(explain_parse_error(message, self._argv, known))
 
         parser.error = error
@@ -95,6 +104,9 @@ class JAGGCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(LoRAExport, "lora_export")
+        parser.add_argument("--overwrite", type=bool, default=False,
+                            help="fit: let this run replace an earlier run's exported adapter and checkpoints in its "
+                                 "folders (refused otherwise; docs/configuration.md)")
 
     def _model_as_given(self) -> tuple | None:
         """(subcommand, ckpt_path, the model section as given, its defaults) when resuming from a checkpoint file
@@ -175,22 +187,21 @@ class JAGGCLI(LightningCLI):
             self._error(str(err))
 
     def before_fit(self) -> None:
-        """``--ckpt_path last``: Lightning's choice (the newest of ModelCheckpoint's ``last`` files and
-        OnExceptionCheckpoint's), or the Preemption callback's checkpoint when that is newer -- a job restarted with
-        the same command after a stop resumes where it stopped."""
+        """A new run never replaces an earlier run's adapter or checkpoints (:mod:`jagg_lightning.cli_outputs`: one
+        line, before any model is built, unless ``--overwrite true``). ``--ckpt_path last``: Lightning's choice (the
+        newest of ModelCheckpoint's ``last`` files and OnExceptionCheckpoint's), or the Preemption callback's
+        checkpoint when that is newer -- a job restarted with the same command after a stop resumes where it stopped."""
         config = self.config_init["fit"]
+        try:
+            check_new_run(self.trainer, config.get("ckpt_path"), bool(config.get("overwrite")))
+        except ValueError as err:
+            self._error(str(err))
         if config.get("ckpt_path") != "last":
             return
-        candidates = {p for c in self.trainer.callbacks if isinstance(c, Preemption)
-                      for p in [c.checkpoint_file(self.trainer)] if p.is_file()}
-        if not candidates:
-            return
-        for callback in self.trainer.checkpoint_callbacks:  # what Lightning's "last" would choose among
-            if isinstance(callback, ModelCheckpoint):
-                candidates |= {Path(p) for p in callback._find_last_checkpoints(self.trainer)}
-            if isinstance(callback, OnExceptionCheckpoint) and Path(callback.ckpt_path).is_file():
-                candidates.add(Path(callback.ckpt_path))
-        config["ckpt_path"] = str(max(candidates, key=lambda p: p.stat().st_mtime))
+        candidates = last_candidates(self.trainer)
+        if any(isinstance(c, Preemption) and c.checkpoint_file(self.trainer) in candidates
+               for c in self.trainer.callbacks):
+            config["ckpt_path"] = str(max(candidates, key=lambda p: p.stat().st_mtime))
 
     def instantiate_trainer(self, **kwargs):
         """The Trainer with the crash-safe checkpoint plugin (unless the user gives a CheckpointIO), the step progress
@@ -233,7 +244,7 @@ def cli_main(args=None, run: bool = True) -> JAGGCLI:
             args=args,
             run=run,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"description": DESCRIPTION, "version": __version__, "prog": "jagg"},
+            parser_kwargs={"description": DESCRIPTION, "version": __version__, "prog": "jagg", "allow_abbrev": False},
             trainer_defaults={"accelerator": "auto", "devices": 1},
             auto_configure_optimizers=False,  # the module's own model.optimizer sees only the LoRA parameters
         )
@@ -262,7 +273,8 @@ def parse_config(args: list[str]):
     with warnings.catch_warnings():  # `jagg plan` hands its own remaining arguments over: that is the intent
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
         return ParseOnlyCLI(JAGGModule, PromptDataModule, args=args, run=False,
-                            parser_kwargs={"description": DESCRIPTION, "version": __version__, "prog": "jagg plan"},
+                            parser_kwargs={"description": DESCRIPTION, "version": __version__, "prog": "jagg plan",
+                                           "allow_abbrev": False},
                             trainer_defaults={"accelerator": "auto", "devices": 1}, auto_configure_optimizers=False).config
 
 

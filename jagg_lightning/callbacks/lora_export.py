@@ -22,14 +22,16 @@ class LoRAExport(L.Callback):
     ``<dir>/<last|final>/transformer_2``; :mod:`jagg_lightning.export`).
 
     dirpath: where to write; None = ``<trainer.default_root_dir>/lora``. Holds ``last/`` (updated at
-    every checkpoint) and ``final/`` (end of fit).
+    every checkpoint) and ``final/`` (end of fit). ``jagg fit`` does not start a new run into a folder that holds an
+    earlier run's ``last/`` or ``final/`` (:mod:`jagg_lightning.cli_outputs`, ``--overwrite true``).
     """
 
     def __init__(self, dirpath: str | None = None):
         super().__init__()
         self.dirpath = dirpath
 
-    def _root(self, trainer: L.Trainer) -> Path:
+    def folder(self, trainer: L.Trainer) -> Path:
+        """Where the exports go: ``dirpath``, or ``<trainer.default_root_dir>/lora``."""
         return Path(self.dirpath or Path(trainer.default_root_dir) / "lora")
 
     def _export(self, trainer, pl_module, name: str) -> Path | None:
@@ -38,7 +40,7 @@ class LoRAExport(L.Callback):
             from jagg_lightning.export import save_transformer, transformer_state_dict
 
             policy, dtype = pl_module.policy, DTYPES[pl_module.policy.config.dtype]
-            folder = self._root(trainer) / name
+            folder = self.folder(trainer) / name
             # rank 0 builds the whole <name>/ (Wan2.2: both networks) aside: a failed write leaves the previous pair
             with (atomic_directory(folder) if trainer.is_global_zero else nullcontext()) as tmp:
                 for network, module in policy.trained_networks().items():  # Wan2.2: transformer, then transformer_2
@@ -53,7 +55,7 @@ class LoRAExport(L.Callback):
             extra = {n: lora_state_dict(m) for n, m in pl_module.policy.extra_lora_modules().items()}  # Wan2.2
         if not trainer.is_global_zero:
             return None
-        return export_lora(pl_module.policy, self._root(trainer) / name, step=trainer.global_step, weights=weights,
+        return export_lora(pl_module.policy, self.folder(trainer) / name, step=trainer.global_step, weights=weights,
                            extra_weights=extra)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:

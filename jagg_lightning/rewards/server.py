@@ -44,6 +44,7 @@ import threading
 
 from jagg_lightning.rewards.registry import REWARD_CLASSES, build_reward, reward_class
 from jagg_lightning.rewards.wire import MAX_PIXELS, WireError, decode, from_uint8
+from jagg_lightning.strict_args import StrictParser
 
 log = logging.getLogger("jagg.serve_reward")
 LARGE_REQUEST = 16 << 20  # bytes of body or decoded pixels after which the freed memory is handed back
@@ -178,7 +179,7 @@ def build_served_reward(reward: str, init_args: dict):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jagg serve-reward", description="Serve a reward over HTTP (docs/rewards.md).")
+    p = StrictParser(prog="jagg serve-reward", description="Serve a reward over HTTP (docs/rewards.md).")
     p.add_argument("--reward", required=True, help="a registered name (e.g. ocr) or a Reward class_path")
     p.add_argument("--init_args", default="{}", help="the reward's constructor arguments as a JSON object")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
