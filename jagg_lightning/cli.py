@@ -13,7 +13,8 @@ What the CLI adds to LightningCLI:
 - abbreviated options are refused (``--trainer.max_step`` is not ``max_steps``: "did you mean"), as typos are;
 - crash-safe checkpoints (:class:`AtomicCheckpointIO`) unless the user gives their own checkpoint plugin, and
   :class:`Preemption` (SIGTERM / SIGUSR1: a checkpoint at the next safe point, exit status 128 + signal) unless the
-  config names one, added at trainer construction so that every saved or printed config stays re-runnable;
+  config names one, and :class:`RunSummary` (the metrics first -> last, the time, where the files are, printed at the
+  end), added at trainer construction so that every saved or printed config stays re-runnable;
 - ``--ckpt_path`` with ``--model.*`` overrides: LightningCLI would silently replace them with the
   checkpoint's hyper-parameters. Here overrides of settings that do not change what the checkpoint holds
   (sampling, grpo, jagg, reward, ...) apply; the others stop the run with a message naming them;
@@ -33,7 +34,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from jagg_lightning import __version__
-from jagg_lightning.callbacks import LoRAExport, Preemption, PredictionImages
+from jagg_lightning.callbacks import LoRAExport, Preemption, PredictionImages, RunSummary
 from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.callbacks.progress import StepProgressBar
 from jagg_lightning.cli_errors import (
@@ -205,7 +206,8 @@ class JAGGCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         """The Trainer with the crash-safe checkpoint plugin (unless the user gives a CheckpointIO), the step progress
-        bar (unless they give a progress bar) and, for ``predict``, the image writer (unless they give a writer)."""
+        bar (unless they give a progress bar), for ``fit`` / ``validate`` / ``test`` the run's summary at its end
+        (unless they give one) and, for ``predict``, the image writer (unless they give a writer)."""
         config = dict(self.config_init.get(str(self.subcommand), self.config_init).get("trainer") or {}) | kwargs
         plugins = config.get("plugins")
         plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
@@ -217,6 +219,8 @@ class JAGGCLI(LightningCLI):
             callbacks.append(StepProgressBar())
         if self.subcommand == "fit" and not any(isinstance(c, Preemption) for c in callbacks):
             callbacks.append(Preemption())  # a scheduler's signal: a checkpoint and a non-zero exit status
+        if self.subcommand in ("fit", "validate", "test") and not any(isinstance(c, RunSummary) for c in callbacks):
+            callbacks.append(RunSummary())  # what the run came to, printed once at its end
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in callbacks):
             callbacks.append(PredictionImages())  # predictions are images: write them
         try:

@@ -9,19 +9,8 @@ import numpy as np
 import torch
 from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger
 
+from jagg_lightning.grids import image_grid, labelled_grid  # noqa: F401 (what a grid shows: grids.py)
 from jagg_lightning.io import atomic_write
-
-
-def image_grid(rows: list[list[torch.Tensor]]) -> np.ndarray:
-    """Images [3, H, W] in [0, 1], laid out row by row -> uint8 array [rows*H, cols*W, 3]; videos
-    [F, 3, H, W] -> a grid per frame, uint8 [F, rows*H, cols*W, 3]."""
-    if rows[0][0].ndim == 4:
-        return np.stack([image_grid([[v[f] for v in row] for row in rows]) for f in range(rows[0][0].shape[0])])
-    return np.concatenate(
-        [np.concatenate([(img.permute(1, 2, 0).float().cpu().numpy() * 255).round() for img in row], axis=1)
-         for row in rows],
-        axis=0,
-    ).astype(np.uint8)
 
 
 def log_dir(trainer) -> Path:
@@ -136,35 +125,3 @@ def write_image(trainer, path: Path, key: str, image: np.ndarray) -> Path:
     atomic_write(path, lambda tmp: Image.fromarray(image).save(tmp, format="PNG"))
     log_media(trainer, key, image, trainer.global_step)
     return path
-
-
-def labelled_grid(grid: np.ndarray, side: int, row_labels: list[str], column_labels: list[str],
-                  scale: int | None = None, min_side: int = 96) -> np.ndarray:
-    """A readable copy of ``grid`` (uint8 [rows*side, cols*W, 3], e.g. from :func:`image_grid`; ``side`` is a cell's
-    height, its width may differ): every pixel repeated ``scale`` times (nearest; None = enough for ``min_side`` px
-    of height per image), one prompt per row written at
-    the left, and one label per column group above it (``column_labels`` split the columns evenly: e.g.
-    ``["base: held-out acc 0.47", "fine-tuned: 0.63"]`` over 2 x 4 samples). A video grid (uint8
-    [F, rows*side, cols*side, 3]) is labelled frame by frame."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    if grid.ndim == 4:
-        return np.stack([labelled_grid(frame, side, row_labels, column_labels, scale, min_side) for frame in grid])
-
-    scale = scale or max(1, -(-min_side // side))
-    big = grid.repeat(scale, axis=0).repeat(scale, axis=1)
-    font = ImageFont.load_default()
-    line = 14
-    width = max([len(t) for t in row_labels] + [0]) * 7 + 12
-    canvas = Image.new("RGB", (width + big.shape[1], 2 * line + big.shape[0]), "white")
-    canvas.paste(Image.fromarray(big), (width, 2 * line))
-    draw = ImageDraw.Draw(canvas)
-    cell = side * scale
-    for r, label in enumerate(row_labels):
-        draw.text((4, 2 * line + r * cell + cell // 2 - line // 2), label, fill="black", font=font)
-    group = big.shape[1] // max(1, len(column_labels))
-    for c, label in enumerate(column_labels):
-        draw.text((width + c * group + 4, line // 2), label, fill="black", font=font)
-        if c:
-            draw.line([(width + c * group, 0), (width + c * group, 2 * line - 1)], fill="red", width=2)  # header only
-    return np.asarray(canvas)

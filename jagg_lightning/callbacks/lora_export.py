@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning as L
 
 from jagg_lightning.adapters import lora_state_dict, save_adapter
+from jagg_lightning.callbacks.progress import finish_progress_bar
 from jagg_lightning.io import atomic_directory
 
 export_lora = save_adapter  # the name this module has always exported
@@ -22,13 +23,15 @@ class LoRAExport(L.Callback):
     ``<dir>/<last|final>/transformer_2``; :mod:`jagg_lightning.export`).
 
     dirpath: where to write; None = ``<trainer.default_root_dir>/lora``. Holds ``last/`` (updated at
-    every checkpoint) and ``final/`` (end of fit). ``jagg fit`` does not start a new run into a folder that holds an
-    earlier run's ``last/`` or ``final/`` (:mod:`jagg_lightning.cli_outputs`, ``--overwrite true``).
+    every checkpoint) and ``final/`` (end of fit); ``exported`` maps each to the path written. ``jagg fit`` does not
+    start a new run into a folder that holds an earlier run's ``last/`` or ``final/`` (:mod:`jagg_lightning.cli_outputs`,
+    ``--overwrite true``).
     """
 
     def __init__(self, dirpath: str | None = None):
         super().__init__()
         self.dirpath = dirpath
+        self.exported: dict[str, Path] = {}  # "last" / "final" -> where it was written (rank 0)
 
     def folder(self, trainer: L.Trainer) -> Path:
         """Where the exports go: ``dirpath``, or ``<trainer.default_root_dir>/lora``."""
@@ -59,9 +62,13 @@ class LoRAExport(L.Callback):
                            extra_weights=extra)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        self._export(trainer, pl_module, "last")
+        path = self._export(trainer, pl_module, "last")
+        if path is not None:
+            self.exported["last"] = path
 
     def on_fit_end(self, trainer, pl_module) -> None:
         path = self._export(trainer, pl_module, "final")
         if path is not None:
+            self.exported["final"] = path
+            finish_progress_bar(trainer, pl_module)  # the line below the finished bar, not above its last redraw
             print(f"LoRA adapter written to {path}")

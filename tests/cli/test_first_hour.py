@@ -99,13 +99,13 @@ def test_predict_with_an_adapter_says_what_it_wrote_and_base_sampling_is_announc
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = sorted((cwd / "outputs/digits/predictions").glob("*.png"))
     assert len(files) == 30  # the 30 held-out prompts, one sample each
-    assert "wrote 30 images to outputs/digits/predictions/" in proc.stdout
+    assert "wrote 30 images (PNG: p00000_s00.png … p00029_s00.png) to outputs/digits/predictions/" in proc.stdout
     assert "untrained base model" not in proc.stderr
     base = jagg("predict", "--config", DIGITS, "--trainer.default_root_dir", tmp_path / "base",
                 "--data.predict_prompts", "[a handwritten seven]", cwd=cwd)
     assert base.returncode == 0, base.stderr[-3000:]
     assert "no --ckpt_path and no --model.policy.adapter: sampling the untrained base model" in base.stderr
-    assert "wrote 1 images" in base.stdout
+    assert "wrote 1 image (PNG: p00000_s00.png)" in base.stdout
 
 
 @pytest.mark.subprocess

@@ -107,9 +107,14 @@ def test_sample_images_grid_adapter_off_and_on(tmp_path, rng_seed):
         written = np.asarray(img.convert("RGB"))
     scale = -(-96 // height)
     assert written.shape[0] > 3 * height * scale and written.shape[1] > 2 * width * scale
-    rows, cols = written.shape[0], written.shape[1]  # the images sit at the bottom right, whole
-    assert np.array_equal(written[rows - 3 * height * scale:: scale, cols - 2 * width * scale:: scale],
-                          samples.last_grid)
+    layout = samples.last_layout  # each image sits whole in its cell, upscaled
+    assert layout.cell == (height * scale, width * scale)
+    for r in range(3):
+        for c in range(2):
+            x0, y0, x1, y1 = layout.cell_box(r, c)
+            assert np.array_equal(written[y0:y1:scale, x0:x1:scale],
+                                  samples.last_grid[r * height:(r + 1) * height, c * width:(c + 1) * width])
+    assert samples.last_marks.correct is None and len(samples.last_marks.captions) == 3  # JPEG: scores, no frames
     off, on = grid[:, :width], grid[:, width:]
     assert (off - on).abs().mean() > 0.5  # the trained adapter changes the image
     # the off column is the base model: an untrained module with the same base draws the same images
