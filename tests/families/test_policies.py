@@ -112,6 +112,10 @@ def test_a_resolution_the_family_cannot_take_is_refused_before_any_model_is_buil
     check_policy(PolicyConfig(pretrained=str(tmp_path), resolution=[multiple * k, multiple]))  # and a good pair
     with pytest.raises(ValueError, match=message):  # the build's own check (a hub id is only checked there)
         build_policy(tiny_policy_config(resolution=bad, family=family, lora_targets=None), pipeline=pipeline)
+    if family != "z_image":  # the built-in twin (pretrained null) too, before it is built (z_image: at its build)
+        with pytest.raises(ValueError, match=message):
+            check_policy(PolicyConfig(family=family, resolution=bad))
+        check_policy(PolicyConfig(family=family, resolution=multiple * k))
     pair = rf"policy\.resolution must be a multiple of {multiple} per side .*got \[{multiple * k}, {bad}\]"
     with pytest.raises(ValueError, match=pair):  # one bad side of [height, width] is enough: the width here
         check_policy(PolicyConfig(pretrained=str(tmp_path), resolution=[multiple * k, bad]))
