@@ -11,6 +11,7 @@ it (every test that takes ``rng_seed`` then gets that seed).
 
 import os
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,16 @@ def pytest_runtest_makereport(item, call):
     if report.failed and seed is not None:
         report.sections.append(("replay", f"{SEED_VARIABLE}={seed} python -m pytest '{item.nodeid}'"))
     return report
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Heaviest files first: those with the most tests that launch processes, then the most slow ones. The README's
+    two xdist workers (``--dist loadfile``) take whole files in this order, so the long files start early and the
+    short ones fill the end (collected in folder order, the long files came last and one worker ran them alone)."""
+    weight = defaultdict(int)
+    for item in items:
+        launches = any(item.get_closest_marker(m) for m in ("subprocess", "distributed"))
+        weight[item.path] += 4 * launches + (item.get_closest_marker("slow") is not None)
+    first_seen = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
+    # every file with a slow test before every file without one (those are quick: they fill the end)
+    items.sort(key=lambda item: (weight[item.path] == 0, -weight[item.path], first_seen[item.path]))
