@@ -11,7 +11,6 @@ it (every test that takes ``rng_seed`` then gets that seed).
 
 import os
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -46,13 +45,15 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Heaviest files first: those with the most tests that launch processes, then the most slow ones. The README's
-    two xdist workers (``--dist loadfile``) take whole files in this order, so the long files start early and the
-    short ones fill the end (collected in folder order, the long files came last and one worker ran them alone)."""
-    weight = defaultdict(int)
+    """Files that launch processes first, then files with slow tests, then the quick ones, each group in folder order.
+    The README's two xdist workers (``--dist loadfile --no-loadscope-reorder``) take whole files in this order, so the
+    long files start early and the quick ones fill the end. (xdist's default order, the most tests first, left the
+    distributed files -- a few long tests each -- to run last on one worker.)"""
+    launches, slow = set(), set()
     for item in items:
-        launches = any(item.get_closest_marker(m) for m in ("subprocess", "distributed"))
-        weight[item.path] += 4 * launches + (item.get_closest_marker("slow") is not None)
+        if any(item.get_closest_marker(m) for m in ("subprocess", "distributed")):
+            launches.add(item.path)
+        if item.get_closest_marker("slow"):
+            slow.add(item.path)
     first_seen = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
-    # every file with a slow test before every file without one (those are quick: they fill the end)
-    items.sort(key=lambda item: (weight[item.path] == 0, -weight[item.path], first_seen[item.path]))
+    items.sort(key=lambda item: (item.path not in launches, item.path not in slow, first_seen[item.path]))
