@@ -107,12 +107,17 @@ def jagg_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("jagg")]
 
 
-@pytest.mark.slow
-def test_ctrl_c_during_fit_stops_at_a_safe_point_with_a_checkpoint_and_status_130(tmp_path):
-    stopped = jagg("fit", "--config", fit_config(tmp_path, "once", f"3, signum: {int(signal.SIGINT)}"))
+def interrupted_fit(tmp_path, name: str, reward_args: str) -> list[str]:
+    """A tiny fit whose reward sends SIGINT (``reward_args``): it exits 130 without a traceback; its `jagg` lines."""
+    stopped = jagg("fit", "--config", fit_config(tmp_path, name, f"{reward_args}, signum: {int(signal.SIGINT)}"))
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr and "KeyboardInterrupt" not in stopped.stderr
-    lines = jagg_lines(stopped.stderr)
+    return jagg_lines(stopped.stderr)
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_fit_stops_at_a_safe_point_with_a_checkpoint_and_status_130(tmp_path):
+    lines = interrupted_fit(tmp_path, "once", "3")
     assert len(lines) == 2 and "SIGINT received" in lines[0] and "Ctrl-C again stops at once" in lines[0], lines
     ckpt = tmp_path / "once" / "checkpoints" / "preempted.ckpt"
     assert "stopped by SIGINT" in lines[1] and f"--ckpt_path {ckpt}" in lines[1] and ckpt.is_file(), lines
@@ -121,10 +126,7 @@ def test_ctrl_c_during_fit_stops_at_a_safe_point_with_a_checkpoint_and_status_13
 
 @pytest.mark.slow
 def test_ctrl_c_twice_during_fit_stops_at_once_with_one_line(tmp_path):
-    stopped = jagg("fit", "--config", fit_config(tmp_path, "twice", f"3, signum: {int(signal.SIGINT)}, times: 2"))
-    assert stopped.returncode == 130, stopped.stderr[-3000:]
-    assert "Traceback" not in stopped.stderr and "KeyboardInterrupt" not in stopped.stderr
-    lines = jagg_lines(stopped.stderr)
+    lines = interrupted_fit(tmp_path, "twice", "3, times: 2")
     assert len(lines) == 2 and "SIGINT received" in lines[0], lines
     assert lines[1] == "jagg fit: stopped by SIGINT (Ctrl-C), exit status 130", lines
     assert not (tmp_path / "twice" / "checkpoints" / "preempted.ckpt").exists()  # no safe point was waited for
