@@ -5,7 +5,9 @@ The data contract (for your own DataLoader): every batch is ``{"prompt": [str, .
 rollout noise, so it must identify the prompt (not its position in the batch). A batch of plain strings
 (a DataLoader over a list of prompts) or ``{"prompt": [...]}`` without indices is accepted too: each prompt's
 index is then :func:`prompt_index` of its text, which survives shuffling, resuming, batch size and the number
-of processes. Validation and predict loaders follow the same contract.
+of processes. Validation and predict loaders follow the same contract. A conditioned prompt (image editing,
+image-to-video: :class:`jagg_lightning.conditions.ConditionedPrompt`, a ``str`` carrying its condition images, what a
+``.jsonl`` data file or dataset folder gives) travels the same way, its images with it.
 
 The loader is resumable: Lightning saves its ``state_dict`` (epoch and batches consumed) in every
 checkpoint, so a run resumed mid-epoch sees exactly the prompts it would have seen.
@@ -22,12 +24,20 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from jagg_lightning.conditions import ConditionedPrompt
 
-def read_prompts(path: str | Path, field: str = "data.prompts_file") -> list[str]:
+
+def read_prompts(path: str | Path, field: str = "data.prompts_file", split: str = "train") -> list[str]:
     """Non-empty, stripped lines of a UTF-8 text file (a shipped name such as ``digits_heldout``, a path from the
-    working directory or from the package's directory: :mod:`jagg_lightning.assets`)."""
-    from jagg_lightning.assets import resolve_path
+    working directory or from the package's directory: :mod:`jagg_lightning.assets`); a ``.jsonl`` file or a
+    dataset folder: conditioned prompts (:func:`jagg_lightning.conditions.read_conditioned_prompts`, its ``split``'s
+    ``<split>_metadata.jsonl`` in a folder)."""
+    from jagg_lightning.assets import find_local, resolve_path
+    from jagg_lightning.conditions import read_conditioned_prompts
 
+    found = find_local(path)
+    if found is not None and (found.is_dir() or found.suffix == ".jsonl"):
+        return read_conditioned_prompts(found, field, split)
     path = Path(resolve_path(path, field, kind="file"))
     return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
@@ -46,7 +56,7 @@ def check_prompts(prompts, field: str) -> list[str]:
             raise ValueError(f"{field}[{i}] must be a non-blank string, got {p!r}")
     if not prompts:
         raise ValueError(f"{field}: the prompt list must not be empty")
-    return [p.strip() for p in prompts]
+    return [p if isinstance(p, ConditionedPrompt) else p.strip() for p in prompts]  # a conditioned one is stripped
 
 
 def prompt_index(prompt: str) -> int:
@@ -251,7 +261,8 @@ class PromptDataModule(L.LightningDataModule):
         if inline is not None:
             return check_prompts(inline, f"data.{field}")
         if file is not None:
-            return check_prompts(read_prompts(file, f"data.{field}_file"), f"data.{field}_file")
+            split = "train" if field == "prompts" else "test"  # a dataset folder's file for each
+            return check_prompts(read_prompts(file, f"data.{field}_file", split), f"data.{field}_file")
         return None
 
     def train_dataloader(self) -> ResumablePromptLoader:

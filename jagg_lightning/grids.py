@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from jagg_lightning.adapters import IDENTITY_FILE
+from jagg_lightning.conditions import condition_images, fit_to, images_of
 
 RIGHT, WRONG, UNMARKED = (0, 160, 0), (215, 25, 25), (255, 255, 255)
 FRAME = 4  # px of frame around each cell (in the written picture)
@@ -102,25 +103,32 @@ class LabelledGrid:
     row_notes: list[str] = field(default_factory=list)
     marks: GridMarks = field(default_factory=GridMarks)
     size: int = 15
+    group_sizes: list[int] = field(default_factory=list)  # columns under each label; default: even shares
 
     def __post_init__(self):
         self.font, self.small = font(self.size), font(self.size - 2)
         self.line = self.size + 5
         self.groups = max(1, len(self.column_labels))
-        self.per_group = -(-self.columns // self.groups)
+        per_group = -(-self.columns // self.groups)
+        sizes = self.group_sizes or [per_group] * self.groups
+        self.starts = [sum(sizes[:g]) for g in range(len(sizes))]
         texts = list(self.row_labels) + list(self.row_notes)
         self.left = max([_width(t, self.font) for t in texts] + [0]) + 16
         self.header = (self.line if self.marks.title else 0) + self.line * max(
             [len(label.split("\n")) for label in self.column_labels] + [1]) + 4
         self.caption = self.line if self.marks.captions else 0
-        span = self.per_group * (self.cell[1] + 2 * FRAME + SPACE)  # a group's cells; a wider label widens the gap after it
+        # a group's cells; a wider label widens the gap after it
+        spans = [size * (self.cell[1] + 2 * FRAME + SPACE) for size in sizes]
         self.gap = max([GROUP_GAP] + [max(_width(t, self.font) for t in label.split("\n")) + 16 - span
-                                      for label in self.column_labels[:-1]])
+                                      for label, span in zip(self.column_labels[:-1], spans)])
+
+    def group_of(self, c: int) -> int:
+        return sum(start <= c for start in self.starts[1:])
 
     def cell_box(self, r: int, c: int) -> tuple[int, int, int, int]:
         """(x0, y0, x1, y1) of cell (r, c)'s image in the written picture (x1, y1 exclusive)."""
         h, w = self.cell
-        x = self.left + c * (w + 2 * FRAME + SPACE) + (c // self.per_group) * self.gap + FRAME
+        x = self.left + c * (w + 2 * FRAME + SPACE) + self.group_of(c) * self.gap + FRAME
         y = self.header + r * (h + 2 * FRAME + SPACE + self.caption) + FRAME
         return x, y, x + w, y + h
 
@@ -132,7 +140,7 @@ class LabelledGrid:
         return width, y1 + FRAME + self.caption + 4
 
     def _group_x(self, g: int) -> int:
-        return self.cell_box(0, g * self.per_group)[0] - FRAME
+        return self.cell_box(0, self.starts[g])[0] - FRAME
 
     def render(self, big: np.ndarray) -> np.ndarray:
         """The picture of the upscaled grid ``big`` (uint8 [rows*h, columns*w, 3])."""
@@ -168,7 +176,8 @@ class LabelledGrid:
 
 def grid_layout(grid: np.ndarray, side: int, row_labels: list[str], column_labels: list[str],
                 scale: int | None = None, min_side: int = 96, columns: int | None = None,
-                marks: GridMarks | None = None, row_notes: list[str] | None = None) -> LabelledGrid:
+                marks: GridMarks | None = None, row_notes: list[str] | None = None,
+                group_sizes: list[int] | None = None) -> LabelledGrid:
     """The :class:`LabelledGrid` :func:`labelled_grid` draws (where each cell lands: ``cell_box``)."""
     marks = marks or GridMarks()
     scale = scale or max(1, -(-min_side // side))
@@ -176,24 +185,45 @@ def grid_layout(grid: np.ndarray, side: int, row_labels: list[str], column_label
     per_row = marks.correct or marks.captions
     columns = columns or (len(per_row[0]) if per_row else max(1, round(grid.shape[-2] / side)))
     cell = (side * scale, grid.shape[-2] // columns * scale)
-    return LabelledGrid(rows, columns, cell, scale, list(row_labels), list(column_labels), list(row_notes or []), marks)
+    return LabelledGrid(rows, columns, cell, scale, list(row_labels), list(column_labels), list(row_notes or []), marks,
+                        group_sizes=list(group_sizes or []))
 
 
 def labelled_grid(grid: np.ndarray, side: int, row_labels: list[str], column_labels: list[str],
                   scale: int | None = None, min_side: int = 96, columns: int | None = None,
-                  marks: GridMarks | None = None, row_notes: list[str] | None = None) -> np.ndarray:
+                  marks: GridMarks | None = None, row_notes: list[str] | None = None,
+                  group_sizes: list[int] | None = None) -> np.ndarray:
     """A readable copy of ``grid`` (uint8 [rows*side, cols*W, 3], e.g. from :func:`image_grid`; ``side`` is a cell's
     height, ``columns`` the cells per row: default from ``marks``, else square cells): every pixel repeated ``scale``
     times (nearest; None = enough for ``min_side`` px of height per image), each cell framed (``marks.correct``: green
     right, red wrong) with its caption under it, one prompt per row at the left (``row_notes``: a second line, e.g.
     'base 2/4, fine-tuned 4/4 right'), ``column_labels`` above their share of the columns (e.g. ``["base: 12/40
     right", "fine-tuned, step 60: 25/40 right"]`` over 2 x 4 samples) and ``marks.title`` above all. A video grid
-    (uint8 [F, rows*side, cols*W, 3]) is labelled frame by frame."""
-    layout = grid_layout(grid, side, row_labels, column_labels, scale, min_side, columns, marks, row_notes)
+    (uint8 [F, rows*side, cols*W, 3]) is labelled frame by frame. ``group_sizes``: the columns under each label
+    (default: even shares; a "source" column before the samples: ``[1, ...]``)."""
+    layout = grid_layout(grid, side, row_labels, column_labels, scale, min_side, columns, marks, row_notes,
+                         group_sizes)
     s = layout.scale
     if grid.ndim == 4:
         return np.stack([layout.render(frame.repeat(s, axis=0).repeat(s, axis=1)) for frame in grid])
     return layout.render(grid.repeat(s, axis=0).repeat(s, axis=1))
+
+
+def with_sources(rows: list[list[torch.Tensor]], row_prompts: list, marks: GridMarks | None):
+    """Conditioned prompts (image editing, image-to-video): each row's prompt's first condition image put in front of
+    its samples, fitted to their size (a video's: held over its frames), unmarked -> (rows, marks shifted, True);
+    plain prompts: everything unchanged, False."""
+    if not row_prompts or not all(images_of(p) for p in row_prompts):
+        return rows, marks, False
+    out = []
+    for row, prompt in zip(rows, row_prompts):
+        cell = row[0]
+        source = fit_to(condition_images(prompt)[0], *cell.shape[-2:])
+        out.append([source.expand_as(cell) if cell.ndim == 4 else source, *row])
+    if marks is not None:
+        marks = GridMarks([[None, *r] for r in marks.correct] if marks.correct else None,
+                          [["source", *r] for r in marks.captions] if marks.captions else None, marks.title)
+    return out, marks, True
 
 
 def weights_label(fn: str, step: int, ckpt_path: str | None, adapter: str | None) -> tuple[str, str]:

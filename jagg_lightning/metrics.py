@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from jagg_lightning.grids import count_right, image_grid, labelled_grid, reward_marks
+from jagg_lightning.grids import count_right, image_grid, labelled_grid, reward_marks, with_sources
 from jagg_lightning.jagg import Window
 from jagg_lightning.update import StepReport
 
@@ -146,12 +146,15 @@ class EvalSums:
         reward says right / wrong (:func:`~jagg_lightning.grids.reward_marks`; the count of right ones beside
         ``label``)."""
         images = torch.cat(self.grid)
-        grid = image_grid([list(images[i:i + per_row]) for i in range(0, len(images), per_row)])
+        rows = [list(images[i:i + per_row]) for i in range(0, len(images), per_row)]
         prompts = self.grid_prompts[::per_row] if len(self.grid_prompts) == len(images) else []
         marks = reward_marks(reward, images, self.grid_prompts, per_row) if reward is not None and prompts else None
         if marks is not None and marks.correct:
             label += f": {count_right(marks.correct, range(per_row))}"
-        return labelled_grid(grid, images.shape[-2], prompts, [label], columns=per_row, marks=marks)
+        rows, marks, sourced = with_sources(rows, prompts, marks)  # editing / image-to-video: source -> results
+        labels, sizes = (["source", label], [1, per_row]) if sourced else ([label], None)
+        return labelled_grid(image_grid(rows), images.shape[-2], prompts, labels, columns=len(rows[0]), marks=marks,
+                             group_sizes=sizes)
 
     def means(self, reduce_sum: Callable[[Tensor], Tensor] = lambda t: t) -> dict[str, Tensor]:
         """{name: mean over every sample of every process} (``reduce_sum`` sums over the processes), float32."""

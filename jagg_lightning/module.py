@@ -28,6 +28,7 @@ from jagg_lightning import preemption, state
 from jagg_lightning.checks import check, check_learning_rates, check_optimizer, check_precision, default_optimizer
 from jagg_lightning.collectives import Collectives, destroy_process_group_at_exit
 from jagg_lightning.config import EvalConfig, GRPOConfig, JAGGConfig, MemoryConfig, SamplingConfig, as_config, check_sections
+from jagg_lightning.conditions import check_data_conditions
 from jagg_lightning.data import unpack_prompt_batch
 from jagg_lightning.dtypes import compute_dtype
 from jagg_lightning.ema import LoRAEMA
@@ -36,7 +37,7 @@ from jagg_lightning.images import log_dir, write_image
 from jagg_lightning.jagg import Window, WindowGradientCheck, WindowRecord
 from jagg_lightning.metrics import EvalSums, FirstUpdateRatioCheck, train_metrics
 from jagg_lightning.old_keys import move_old_keys, resolve_seeds
-from jagg_lightning.policies import Policy, PolicyConfig, build_policy
+from jagg_lightning.policies import Policy, PolicyConfig, build_policy, policy_class
 from jagg_lightning.policy_checks import check_policy
 from jagg_lightning.reference import attach_reference, reference_networks
 from jagg_lightning.rewards import Reward, build_reward, describe_reward
@@ -94,8 +95,7 @@ class JAGGModule(L.LightningModule):
 
     def __init__(
         self,
-        # typed without `| None` (None is still accepted): the CLI then prints the full sections and shows
-        # the dataclasses' own error messages instead of "does not validate against any of the Union subtypes"
+        # typed without `| None` (None still works): the CLI shows full sections and the dataclasses' own errors
         policy: PolicyConfig = PolicyConfig(),
         sampling: SamplingConfig = SamplingConfig(),
         grpo: GRPOConfig = GRPOConfig(),
@@ -212,6 +212,7 @@ class JAGGModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         destroy_process_group_at_exit()  # Lightning leaves it to interpreter shutdown, where gloo can abort
         check_precision(self.trainer.precision, self.policy_config.dtype)
+        check_data_conditions(getattr(self.trainer, "datamodule", None), policy_class(self.policy_config))  # no model yet
         if self.jagg.fused_rollout and stage == "fit" and isinstance(self.trainer.strategy, ModelParallelStrategy):
             raise ValueError("jagg.fused_rollout must be false under a sharded strategy (FSDP2): the kept graphs "
                              "would hold every block's gathered weights until the micro-batch ends; not supported yet")

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from jagg_lightning.batching import batch_slice
+from jagg_lightning.conditions import check_condition_counts
 from jagg_lightning.dtypes import compute_dtype
 from jagg_lightning.ode_solvers import ode_tail
 from jagg_lightning.rewards import Reward
@@ -91,7 +92,14 @@ class Sampler:
     def encode(self, prompts: list[str]) -> tuple:
         """The per-sample condition of a rollout: each prompt's embeddings repeated K times (prompt-major)."""
         K = self.sampling.group_size
-        return tuple(c.repeat_interleave(K, dim=0) for c in self.policy.encode_prompts(prompts, self.guidance))
+        return tuple(c.repeat_interleave(K, dim=0) for c in self.encode_prompts(prompts, self.guidance))
+
+    def encode_prompts(self, prompts: list[str], guidance: Guidance) -> tuple:
+        """The policy's condition of ``prompts``, after checking each carries the condition images its family takes
+        (none for text-to-image; an editing family's source: :mod:`jagg_lightning.conditions`)."""
+        policy = self.policy
+        check_condition_counts(prompts, policy.condition_images, policy.family, "prompts")
+        return policy.encode_prompts(list(prompts), guidance)
 
     def rollout(self, cond: tuple, prompt_indices: list[int], step: int, step_kinds: list[str] | None = None,
                 reference_steps: Collection[int] = (), graph_steps: Collection[int] = (),
@@ -248,7 +256,7 @@ class Sampler:
         sampling with ``num_steps`` steps, ``guidance`` (None: ``policy.guidance_scale``) and the policy's current
         weights; the noise of sample i of prompt index j depends on (seed, step, j, i) only."""
         guidance = guidance or self.policy.guidance()
-        encoded = self.policy.encode_prompts(list(prompts), guidance)
+        encoded = self.encode_prompts(prompts, guidance)
         cond = tuple(c.repeat_interleave(samples_per_prompt, dim=0) for c in encoded)
         traj = sample_trajectories(
             functools.partial(self.policy.velocity, guidance=guidance), cond,

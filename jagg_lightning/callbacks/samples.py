@@ -9,7 +9,9 @@ import lightning as L
 import numpy as np
 import torch
 
-from jagg_lightning.grids import GridMarks, LabelledGrid, count_right, grid_layout, image_grid, labelled_grid, reward_marks
+from jagg_lightning.grids import (
+    GridMarks, LabelledGrid, count_right, grid_layout, image_grid, labelled_grid, reward_marks, with_sources,
+)
 from jagg_lightning.images import log_dir, write_image
 
 
@@ -23,7 +25,9 @@ class SampleImages(L.Callback):
     wrong per sample (the digit reward), a green or red frame, counted per row and per half ("base 4/8 right").
     Writes ``<dirpath>/step_XXXXXX.png`` (default dirpath: ``<log dir>/samples``) and sends the same image to every
     logger that takes images (:func:`jagg_lightning.images.log_image`: TensorBoard, MLflow, ...). ``last_grid`` is
-    the unlabelled grid at native size, ``last_marks`` / ``last_layout`` what was drawn on it and where."""
+    the unlabelled grid at native size, ``last_marks`` / ``last_layout`` what was drawn on it and where. Conditioned
+    prompts (:class:`jagg_lightning.conditions.ConditionedPrompt`: image editing, image-to-video) get their source
+    image as a first column, labelled "source": source -> base -> fine-tuned."""
 
     def __init__(self, prompts: list[str], every_n_steps: int = 50, seed: int = 0, num_steps: int | None = None,
                  dirpath: str | None = None, samples_per_prompt: int = 1, scale: int | None = None):
@@ -88,17 +92,22 @@ class SampleImages(L.Callback):
                 for row in marks.correct]
 
     def _write(self, trainer, pl_module) -> None:
-        cells = self.sample_cells(pl_module)
-        columns = 2 * self.samples_per_prompt
-        self.last_grid = grid = image_grid([cells[i:i + columns] for i in range(0, len(cells), columns)])
+        cells, per = self.sample_cells(pl_module), self.samples_per_prompt
+        columns = 2 * per
+        rows = [cells[i:i + columns] for i in range(0, len(cells), columns)]
         path = Path(self.dirpath or log_dir(trainer) / "samples") / f"step_{trainer.global_step:06d}.png"
         if not trainer.is_global_zero:  # log_dir above runs on every process: it broadcasts
+            self.last_grid = image_grid(with_sources(rows, self.prompts, None)[0])
             return
         prompts = [p for p in self.prompts for _ in range(columns)]
-        self.last_marks = marks = reward_marks(pl_module.reward_fn, torch.stack(cells), prompts, columns)
+        marks = reward_marks(pl_module.reward_fn, torch.stack(cells), prompts, columns)
+        labels, notes = self.column_labels(trainer, marks), self.row_notes(marks)
+        # conditioned prompts (editing, image-to-video): each row's source before its samples
+        rows, self.last_marks, sourced = with_sources(rows, self.prompts, marks)
+        self.last_grid = grid = image_grid(rows)
         side = grid.shape[-3] // len(self.prompts)  # an image grid [H, W, 3] or a video grid [F, H, W, 3]
-        args = (grid, side, self.prompts, self.column_labels(trainer, marks), self.scale, 96, columns, marks,
-                self.row_notes(marks))
+        args = (grid, side, self.prompts, ["source", *labels] if sourced else labels, self.scale, 96, len(rows[0]),
+                self.last_marks, notes, [1, per, per] if sourced else None)
         self.last_layout = grid_layout(*args)
         self.written.append(write_image(trainer, path, "samples", labelled_grid(*args)))
 

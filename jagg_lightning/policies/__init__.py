@@ -37,6 +37,8 @@ def register_family(name: str, pipeline_classes: tuple[str, ...], module: str, p
 
 register_family("sd3", ("StableDiffusion3Pipeline",), "jagg_lightning.policies.sd3", "SD3Policy")
 register_family("flux", ("FluxPipeline",), "jagg_lightning.policies.flux", "FluxPolicy")
+register_family("flux_kontext", ("FluxKontextPipeline",), "jagg_lightning.policies.flux_kontext",
+                "FluxKontextPolicy")
 register_family("qwen_image", ("QwenImagePipeline",), "jagg_lightning.policies.qwen_image", "QwenImagePolicy")
 register_family("flux2", ("Flux2KleinPipeline",), "jagg_lightning.policies.flux2", "Flux2Policy")
 register_family("z_image", ("ZImagePipeline",), "jagg_lightning.policies.z_image", "ZImagePolicy")

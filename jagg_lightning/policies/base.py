@@ -109,6 +109,9 @@ class Policy(nn.Module):
     pipeline_class_name: str = ""
     video: bool = False  # a video family (``policy.num_frames``; ``decode`` gives [n, F, 3, H, W])
     default_lora_targets: list[str] = []
+    # how many condition images each prompt carries (min, max): (0, 0) text-to-image / video; an editing or
+    # image-to-video family's encode_prompts reads them (jagg_lightning.conditions); checked before training
+    condition_images: tuple[int, int] = (0, 0)
 
     def __init__(self, config: PolicyConfig | None = None, pipeline=None):
         super().__init__()

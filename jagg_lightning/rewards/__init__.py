@@ -3,7 +3,8 @@
 The JPEG rewards need no weights, the digits reward ships its own and the OCR reward uses the models inside
 its wheel; they are registered by name. Model-based rewards take local paths and are configured by
 ``class_path`` (they import their heavy dependencies only when built), as is :class:`RemoteReward`, a
-reward scored by a ``jagg serve-reward`` server.
+reward scored by a ``jagg serve-reward`` server. :class:`EditFidelity` and :class:`FirstFrameConsistency` read the
+condition images conditioned prompts carry (image editing, image-to-video).
 
 The names below are imported on first use (PEP 562): ``jagg serve-reward --help`` imports no torch.
 """
@@ -13,7 +14,8 @@ import importlib
 # public name -> the module defining it
 _PUBLIC = {
     "AestheticReward": "aesthetic", "CallableReward": "base", "Reward": "base", "check_images": "base", "to_pil": "base",
-    "CLIPScoreReward": "clipscore", "DigitReward": "digits", "HPSv2Reward": "hpsv2",
+    "CLIPScoreReward": "clipscore", "EditFidelity": "conditioned", "FirstFrameConsistency": "conditioned",
+    "DigitReward": "digits", "HPSv2Reward": "hpsv2",
     "JpegCompressibility": "jpeg", "JpegIncompressibility": "jpeg", "MONITOR_PREFIX": "monitor",
     "MonitoredReward": "monitor", "OcrReward": "ocr", "PickScoreReward": "pickscore",
     "REWARD_CLASSES": "registry", "build_reward": "registry", "describe_reward": "registry",

@@ -39,6 +39,10 @@ REFERENCE = {
                      "guidance_scale": 5.0, "eval_guidance_scale": 5.0, "kl_beta": 0.0, "clip_range": 1e-4,
                      "adv_std": "group", "group_size": 16, "dtype": "float32", "precision": "bf16-mixed",
                      "sde_window_size": 3, "sde_window_range": [1, 4], "window_size": 3},
+    # Flow-GRPO's counting_flux_kontext
+    "flux_kontext_dev.yaml": {"family": "flux_kontext", "num_steps": 6, "noise_level": 0.9, "lora_rank": 64,
+                              "lora_alpha": 128, "guidance_scale": 2.5, "kl_beta": 0.0, "adv_std": "global",
+                              "group_size": 21, "dtype": "bfloat16", "precision": "bf16-true"},
     # the paper's regime (issue 29): every step trained, W = 5 ("5 -> 2 backward per group")
     "digits_all_steps.yaml": {"family": "sd3", "num_steps": 10, "noise_level": 0.7, "lora_rank": 8, "lora_alpha": 16,
                               "guidance_scale": 1.0, "kl_beta": 0.0, "window_size": 5},

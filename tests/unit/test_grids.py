@@ -114,3 +114,39 @@ def test_summary_numbers_round_float32_shares_as_their_fractions():
     assert number(float(torch.tensor(183 / 240))) == "0.763"  # logged as 0.76249999 (float32)
     assert number(float(torch.tensor(112 / 240))) == "0.467" and number(0.0) == "0.000"
     assert number(1.4e-4) == "0.00014" and number(-1.5466) == "-1.547" and number(123456.0) == "1.235e+05"
+
+
+def test_conditioned_prompts_show_their_source_before_the_results(threes, rng_seed):
+    """Editing / image-to-video: the evaluation grid puts each row's source (fitted to the samples' size) in an
+    unframed first column under its own "source" label, then the framed results; the cells stay whole."""
+    from jagg_lightning.conditions import ConditionedPrompt, fit_to
+    from jagg_lightning.grids import with_sources
+
+    reward, images = threes
+    gen = torch.Generator().manual_seed(rng_seed)
+    sources = [torch.rand(3, 40, 56, generator=gen) for _ in range(2)]
+    prompts = [ConditionedPrompt(f"a handwritten digit {d}", [s]) for d, s in zip((3, 8), sources)]
+    sums = EvalSums(grid_images=4)
+    sums.add(torch.cat([images, images]), torch.zeros(4), {}, [p for p in prompts for _ in range(2)])
+    picture = sums.grid_picture(2, "fine-tuned", reward)
+
+    rows = [list(images), list(images)]
+    marks = reward_marks(reward, torch.cat([images, images]), [p for p in prompts for _ in range(2)], columns=2)
+    sourced, shifted, yes = with_sources(rows, prompts, marks)
+    assert yes and [len(r) for r in sourced] == [3, 3]
+    assert shifted.correct == [[None, True, True], [None, False, False]]
+    grid = image_grid(sourced)
+    layout = grid_layout(grid, 32, prompts, ["source", "fine-tuned: 2/4 right"], columns=3, marks=shifted,
+                         group_sizes=[1, 2])
+    assert picture.shape[:2][::-1] == layout.canvas_size()
+    s = layout.scale
+    for r in range(2):
+        x0, y0, x1, y1 = layout.cell_box(r, 0)
+        expected = (fit_to(sources[r], 32, 32).permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+        assert np.array_equal(picture[y0:y1, x0:x1], expected.repeat(s, 0).repeat(s, 1))
+        assert frame_colour(picture, (x0, y0, x1, y1)) == UNMARKED
+        assert frame_colour(picture, layout.cell_box(r, 1)) == (RIGHT if r == 0 else WRONG)
+    # the source group stands apart from the results: a gap, not just the space between two cells
+    assert layout.cell_box(0, 1)[0] - layout.cell_box(0, 0)[2] > layout.cell_box(0, 2)[0] - layout.cell_box(0, 1)[2]
+    # plain prompts: no source column
+    assert with_sources(rows, ["a", "b"], marks) == (rows, marks, False)
