@@ -95,7 +95,7 @@ def shipped_spec(folder: Path, hub_id: str | None = None) -> ModelSpec:
 
 
 FAMILY_OF_PIPELINE = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "Flux2KleinPipeline": "flux2",
-                      "QwenImagePipeline": "qwen_image", "WanPipeline": "wan"}
+                      "Flux2Pipeline": "flux2_dev", "QwenImagePipeline": "qwen_image", "WanPipeline": "wan"}
 
 
 def local_spec(folder: Path) -> ModelSpec:

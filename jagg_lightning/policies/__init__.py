@@ -41,6 +41,7 @@ register_family("flux_kontext", ("FluxKontextPipeline",), "jagg_lightning.polici
                 "FluxKontextPolicy")
 register_family("qwen_image", ("QwenImagePipeline",), "jagg_lightning.policies.qwen_image", "QwenImagePolicy")
 register_family("flux2", ("Flux2KleinPipeline",), "jagg_lightning.policies.flux2", "Flux2Policy")
+register_family("flux2_dev", ("Flux2Pipeline",), "jagg_lightning.policies.flux2_dev", "Flux2DevPolicy")
 register_family("z_image", ("ZImagePipeline",), "jagg_lightning.policies.z_image", "ZImagePolicy")
 register_family("wan", ("WanPipeline",), "jagg_lightning.policies.wan", "WanPolicy")
 register_family("wan22", (), "jagg_lightning.policies.wan", "Wan22TinyPolicy")  # the two-expert tiny twin

@@ -28,8 +28,8 @@ one-level ``AutoencoderKLFlux2`` with random batch-norm statistics, a 28-layer (
 pipeline's default layers (9, 18, 27) exist, and the byte-level Qwen2 tokenizer of the Qwen-Image twin with a
 Qwen3-style chat template.
 
-FLUX.2 [dev] (``Flux2Pipeline``: Mistral-3 encoder, embedded guidance) is not covered: its processor-based
-prompt encoding has no offline twin here yet.
+FLUX.2 [dev] (``Flux2Pipeline``: Mistral-3 encoder, embedded guidance) is the ``flux2_dev`` family,
+``policies/flux2_dev.py``: a subclass of this policy (same transformer, latent layout, schedule and decode).
 """
 
 from __future__ import annotations
@@ -176,11 +176,12 @@ class Flux2Policy(Policy):
         txt = torch.cartesian_prod(zero, zero, zero, torch.arange(text_len))
         return img.to(device), txt.to(device)
 
-    def _forward(self, z: Tensor, t: Tensor, embeds: Tensor) -> Tensor:
+    def _forward(self, z: Tensor, t: Tensor, embeds: Tensor, guidance: Tensor | None = None) -> Tensor:
+        """One transformer forward; ``guidance`` [n]: the embedded guidance (FLUX.2 [dev]), None for klein."""
         n, _, h, w = z.shape
         img_ids, txt_ids = self._ids(h, w, embeds.shape[1], z.device)
         out = self.transformer(
-            hidden_states=self.to_tokens(z).to(self.transformer.dtype), timestep=t, guidance=None,
+            hidden_states=self.to_tokens(z).to(self.transformer.dtype), timestep=t, guidance=guidance,
             encoder_hidden_states=embeds, txt_ids=txt_ids, img_ids=img_ids, return_dict=False,
         )[0]
         return self.from_tokens(out, h, w)

@@ -1,4 +1,4 @@
-"""Tokenizers (and the Qwen3 text-encoder config) of the tiny offline twins, built without any download."""
+"""Tokenizers (and the Qwen3 / Mistral-3 text-encoder configs) of the tiny offline twins, built without any download."""
 
 from __future__ import annotations
 
@@ -81,3 +81,73 @@ def tiny_qwen3_config(tokenizer, num_layers: int):
         pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), tie_word_embeddings=False,
     )
+
+
+# Mistral-Small-3.1's special tokens at their ids in its tokenizer (the image tokens [IMG] = 10, [IMG_BREAK] = 12,
+# [IMG_END] = 13 are the ones PixtralProcessor and Mistral3Config name; <pad> = 11).
+MISTRAL3_SPECIAL_TOKENS = [
+    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]", "[SUFFIX]",
+    "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+]
+
+# Mistral-Small-3.1's chat template, reduced to what Flux2Pipeline renders: BOS, a system turn, user turns of text
+# parts (content lists of {"type": "text"}), assistant turns closed by EOS.
+MISTRAL3_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}{%- set text = message['content'] -%}"
+    "{%- else -%}{%- set text = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text')"
+    " | join('') -%}{%- endif -%}"
+    "{%- if message['role'] == 'system' -%}{{- '[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]' -}}"
+    "{%- elif message['role'] == 'user' -%}{{- '[INST]' + text + '[/INST]' -}}"
+    "{%- else -%}{{- text + eos_token -}}{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
+def tiny_mistral3_processor(words_of: str = ""):
+    """A real ``PixtralProcessor`` (FLUX.2 [dev]'s ``tokenizer``) built offline: a byte-level BPE tokenizer
+    (``PreTrainedTokenizerFast``, as Mistral's Tekken is byte-level) with Mistral-Small-3.1's special tokens at
+    their ids, merges that spell each word of ``words_of`` (the pipeline's system message) as one token, the
+    reduced Mistral chat template, and a ``PixtralImageProcessor`` no prompt reaches."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PixtralImageProcessor, PixtralProcessor, PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(MISTRAL3_SPECIAL_TOKENS)}
+    for ch in sorted(ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    words = [w for w, _ in ByteLevel(add_prefix_space=False).pre_tokenize_str(words_of)]
+    merges = []
+    # left-to-right chains, the words after a space ("Ġ...") first: their merges then rank before any pair that
+    # could occur inside them, so each is one token
+    for word in sorted(words, key=lambda w: not w.startswith("Ġ")):
+        for i in range(1, len(word)):
+            if word[: i + 1] not in vocab:
+                vocab[word[: i + 1]] = len(vocab)
+                merges.append((word[:i], word[i]))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    backend.pre_tokenizer = ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in MISTRAL3_SPECIAL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>", pad_token="<pad>")
+    return PixtralProcessor(image_processor=PixtralImageProcessor(patch_size=16), tokenizer=tokenizer, patch_size=16,
+                            spatial_merge_size=2, chat_template=MISTRAL3_CHAT_TEMPLATE)
+
+
+def tiny_mistral3_config(tokenizer, num_layers: int):
+    """A tiny ``Mistral3Config``: a hidden-16 Mistral language model of ``num_layers`` layers and a one-layer Pixtral
+    vision tower (a prompt never reaches it), the image token at Mistral-Small-3.1's id."""
+    from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
+
+    text = MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=num_layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024, sliding_window=None,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 head_dim=8, patch_size=16, image_size=64)
+    return Mistral3Config(vision_config=vision, text_config=text, image_token_index=tokenizer.convert_tokens_to_ids(
+        "[IMG]"), spatial_merge_size=2)

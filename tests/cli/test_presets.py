@@ -35,6 +35,11 @@ REFERENCE = {
                          "guidance_scale": 4.0, "kl_beta": 0.0, "clip_range": 1e-4, "adv_std": "group", "group_size": 16,
                          "dtype": "bfloat16", "precision": "bf16-true", "sde_window_size": 3,
                          "sde_window_range": [1, 4], "window_size": 3},
+    # Flow-Factory's FLUX.2 [dev] LoRA recipe (examples/grpo/lora/flux2/t2i.yaml): embedded guidance 4
+    "flux2_dev.yaml": {"family": "flux2_dev", "num_steps": 8, "noise_level": 1.0, "lora_rank": 64, "lora_alpha": 128,
+                       "guidance_scale": 4.0, "eval_guidance_scale": 4.0, "kl_beta": 0.0, "clip_range": 1e-4,
+                       "adv_std": "group", "group_size": 16, "dtype": "bfloat16", "precision": "bf16-true",
+                       "sde_window_size": 3, "sde_window_range": [1, 4], "window_size": 3},
     "z_image.yaml": {"family": "z_image", "num_steps": 10, "noise_level": 0.7, "lora_rank": 64, "lora_alpha": 128,
                      "guidance_scale": 5.0, "eval_guidance_scale": 5.0, "kl_beta": 0.0, "clip_range": 1e-4,
                      "adv_std": "group", "group_size": 16, "dtype": "float32", "precision": "bf16-mixed",

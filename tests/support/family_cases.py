@@ -20,6 +20,7 @@ from jagg_lightning.conditions import ConditionedPrompt, condition_pixels
 from jagg_lightning.policies.flux import build_tiny_flux_pipeline
 from jagg_lightning.policies.flux_kontext import build_tiny_flux_kontext_pipeline
 from jagg_lightning.policies.flux2 import build_tiny_flux2_pipeline
+from jagg_lightning.policies.flux2_dev import build_tiny_flux2_dev_pipeline
 from jagg_lightning.policies.sd3 import build_tiny_sd3_pipeline
 from jagg_lightning.policies.z_image import build_tiny_z_image_pipeline
 
@@ -80,6 +81,12 @@ CASES = [
     FamilyCase("flux2", "flux2", "Flux2Policy", lambda seed, dtype: build_tiny_flux2_pipeline(seed, dtype), (1.0, 4.0),
                overrides={"lora_targets": None, "max_sequence_length": 32}, tiny_config="configs/flux2_tiny.yaml",
                dynamic_shift=True),
+    # FLUX.2 [dev]: embedded guidance 1.0 vs 4.0 (one forward either way), Mistral-3 prompts behind a PixtralProcessor
+    # (64 tokens hold the chat template with the pipeline's system message)
+    FamilyCase("flux2_dev", "flux2_dev", "Flux2DevPolicy",
+               lambda seed, dtype: build_tiny_flux2_dev_pipeline(seed, dtype), (1.0, 4.0),
+               overrides={"lora_targets": None, "max_sequence_length": 64}, tiny_config="configs/flux2_dev_tiny.yaml",
+               cfg=False, dynamic_shift=True),
     # Z-Image: CFG written pos + w (pos - neg) by the pipeline, so its guidance_scale is the policy's minus 1
     FamilyCase("z_image", "z_image", "ZImagePolicy", lambda seed, dtype: build_tiny_z_image_pipeline(seed, dtype),
                (1.0, 4.0), overrides={"lora_targets": None, "max_sequence_length": 32},

@@ -2,8 +2,8 @@
 APIs we still use"): each fails with a message saying what changed and where we depend on it, so an upgrade of
 Lightning, torch or TensorBoard that moves one is caught here, not by a user. (The diffusers pipelines' private
 latent helpers, ``QwenImagePipeline._unpack_latents`` and ``Flux2KleinPipeline._patchify_latents`` /
-``_unpatchify_latents``, are checked where they are used: the family tests compare the policies' sampling with the
-pipelines' own.)"""
+``_unpatchify_latents`` (``Flux2Pipeline``'s for FLUX.2 [dev]), are checked where they are used: the family tests
+compare the policies' sampling with the pipelines' own.)"""
 
 import inspect
 
