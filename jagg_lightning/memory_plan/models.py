@@ -171,6 +171,10 @@ def model_spec(policy) -> ModelSpec:
     """The :class:`ModelSpec` of a ``PolicyConfig``: the tiny twin, a shipped config (by hub id) or a local folder."""
     from jagg_lightning.assets import find_local
 
+    planned = set(FAMILY_OF_PIPELINE.values()) | {"wan22"}
+    if policy.family is not None and policy.family not in planned:  # before looking for its files
+        raise ValueError(f"policy.family: jagg plan has no memory plan for the {policy.family} family yet (planned: "
+                         f"{', '.join(sorted(planned))})")
     if policy.pretrained is None:
         return twin_spec(policy.family or "sd3")
     local = find_local(policy.pretrained)

@@ -40,6 +40,8 @@ register_family("flux", ("FluxPipeline",), "jagg_lightning.policies.flux", "Flux
 register_family("flux_kontext", ("FluxKontextPipeline",), "jagg_lightning.policies.flux_kontext",
                 "FluxKontextPolicy")
 register_family("qwen_image", ("QwenImagePipeline",), "jagg_lightning.policies.qwen_image", "QwenImagePolicy")
+register_family("qwen_image_edit", ("QwenImageEditPipeline",), "jagg_lightning.policies.qwen_image_edit",
+                "QwenImageEditPolicy")
 register_family("flux2", ("Flux2KleinPipeline",), "jagg_lightning.policies.flux2", "Flux2Policy")
 register_family("flux2_dev", ("Flux2Pipeline",), "jagg_lightning.policies.flux2_dev", "Flux2DevPolicy")
 register_family("z_image", ("ZImagePipeline",), "jagg_lightning.policies.z_image", "ZImagePolicy")

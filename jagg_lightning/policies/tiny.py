@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import string
 
 # Every word of QwenImagePipeline.prompt_template_encode ("Ġ" = a leading space in byte-level BPE).
@@ -10,6 +11,8 @@ _TEMPLATE_WORDS = ["system", "Describe", "user", "assistant"] + [
     "the image by detailing color shape size texture quantity text spatial relationships of objects and background".split()
 ]
 _SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>"]
+# Qwen2.5-VL's vision tokens (Qwen2VLProcessor expands <|image_pad|> to one per merged image patch)
+QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 # Qwen3's chat template, reduced to what the pipelines render: user turns, the generation prompt, and the
 # empty think block that ``enable_thinking=False`` adds (FLUX.2 klein; Z-Image renders with thinking on).
@@ -45,24 +48,54 @@ def tiny_t5_tokenizer():
     return T5Tokenizer(vocab=pieces, extra_ids=0)
 
 
-def tiny_qwen_tokenizer():
+def tiny_qwen_tokenizer(words_of: str = "", vision: bool = False):
     """A byte-level ``Qwen2Tokenizer`` built offline: the 256 byte symbols, merges that spell each template word
     as one token (so the template's system prefix is 34 tokens, as with Qwen's real vocabulary), and the chat
-    special tokens ``<|im_start|>`` / ``<|im_end|>``. Any other text falls back to (mostly) single bytes."""
+    special tokens ``<|im_start|>`` / ``<|im_end|>``. Any other text falls back to (mostly) single bytes.
+
+    ``words_of``: another template (Qwen-Image-Edit's) whose every pre-tokenized piece becomes one token too (its
+    system prefix then has the real vocabulary's length); ``vision``: Qwen2.5-VL's vision tokens (``<|vision_start|>``,
+    ``<|image_pad|>``, ...) as special tokens, for a processor that puts images in the prompt."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
 
     vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    words = list(_TEMPLATE_WORDS)
+    if words_of:  # the words after a space ("Ġ...") first: their chains then rank before any pair inside them
+        words = sorted(dict.fromkeys(words + _qwen_pieces(words_of)), key=lambda w: not w.startswith("Ġ"))
     merges = []
-    for word in _TEMPLATE_WORDS:  # left-to-right chains; no chain's first pair occurs inside another word
+    for word in words:  # left-to-right chains; no chain's first pair occurs inside another word
         for i in range(1, len(word)):
             if word[: i + 1] not in vocab:
                 vocab[word[: i + 1]] = len(vocab)
                 merges.append((word[:i], word[i]))
     vocab["<|endoftext|>"] = len(vocab)
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=32768)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(_SPECIAL_TOKENS)})
+    special = _SPECIAL_TOKENS + (QWEN_VISION_TOKENS if vision else [])
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
     return tokenizer
+
+
+def _qwen_pieces(text: str) -> list[str]:
+    """The pieces Qwen2's pre-tokenizer cuts ``text`` into, its special tokens and ``{}`` placeholders left out."""
+    from transformers import Qwen2Tokenizer
+
+    bare = Qwen2Tokenizer(vocab={"<|endoftext|>": 0}, merges=[])
+    cut = re.split("|".join(map(re.escape, _SPECIAL_TOKENS + QWEN_VISION_TOKENS + ["{}"])), text)
+    return [piece for part in cut for piece, _ in bare.backend_tokenizer.pre_tokenizer.pre_tokenize_str(part)]
+
+
+def tiny_qwen_vl_processor(template: str):
+    """A real ``Qwen2VLProcessor`` (Qwen-Image-Edit's ``processor``) built offline: :func:`tiny_qwen_tokenizer` with
+    ``template``'s words and the vision tokens, and a ``Qwen2VLImageProcessor`` with Qwen2.5-VL's patching (14 px
+    patches, 2 x 2 merged, CLIP normalisation) that shrinks every image to at most 112 x 112 pixels (the real one:
+    up to 12.8 M), so a source reaches the tiny vision tower as at most 16 image tokens."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    patching = dict(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, temporal_patch_size=2, merge_size=2)
+    return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**patching),  # (no prompt brings a video)
+                            video_processor=Qwen2VLVideoProcessor(**patching),
+                            tokenizer=tiny_qwen_tokenizer(template, vision=True))
 
 
 def tiny_qwen3_tokenizer():

@@ -48,6 +48,10 @@ REFERENCE = {
     "flux_kontext_dev.yaml": {"family": "flux_kontext", "num_steps": 6, "noise_level": 0.9, "lora_rank": 64,
                               "lora_alpha": 128, "guidance_scale": 2.5, "kl_beta": 0.0, "adv_std": "global",
                               "group_size": 21, "dtype": "bfloat16", "precision": "bf16-true"},
+    # Flow-GRPO's counting_qwenimage_edit (true CFG 4 with the negative " ")
+    "qwen_image_edit.yaml": {"family": "qwen_image_edit", "num_steps": 10, "noise_level": 1.0, "lora_rank": 64,
+                             "lora_alpha": 128, "guidance_scale": 4.0, "kl_beta": 0.0, "adv_std": "global",
+                             "group_size": 16, "clip_range": 1e-4, "dtype": "bfloat16", "precision": "bf16-true"},
     # the paper's regime (issue 29): every step trained, W = 5 ("5 -> 2 backward per group")
     "digits_all_steps.yaml": {"family": "sd3", "num_steps": 10, "noise_level": 0.7, "lora_rank": 8, "lora_alpha": 16,
                               "guidance_scale": 1.0, "kl_beta": 0.0, "window_size": 5},

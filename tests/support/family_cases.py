@@ -3,8 +3,8 @@ module and `jagg fit` arguments those tests build on a saved twin.
 
 To test a new family, add a ``FamilyCase`` here (its twin builder, guidance values and tiny `jagg fit`
 config, and how its guidance and schedule behave): every test of tests/families/test_families.py then runs on it.
-Qwen-Image is not a ``FamilyCase``: its own file, tests/families/test_family_qwen_image.py, repeats the same checks
-(see docs/model_families.md).
+Qwen-Image and Qwen-Image-Edit are not ``FamilyCase``s: their own files, tests/families/test_family_qwen_image.py and
+test_family_qwen_image_edit.py, repeat the same checks (see docs/model_families.md).
 """
 
 from __future__ import annotations

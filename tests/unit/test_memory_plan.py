@@ -102,6 +102,14 @@ def test_every_preset_hub_id_has_a_shipped_config():
         assert model_spec(PolicyConfig(pretrained=pretrained)).family in families
 
 
+@pytest.mark.parametrize("pretrained", ["Qwen/Qwen-Image-Edit", None])
+def test_a_family_without_a_plan_is_refused_by_name(pretrained):
+    """The editing families (their source tokens and VL image tokens are not planned): one line naming the family,
+    before any file is looked for -- the hub id, or the twin."""
+    with pytest.raises(ValueError, match="policy.family: jagg plan has no memory plan for the qwen_image_edit family"):
+        model_spec(PolicyConfig(family="qwen_image_edit", pretrained=pretrained))
+
+
 def test_twin_spec_counts_the_twins_components():
     spec = twin_spec("sd3")
     policy = build_policy(PolicyConfig())

@@ -1,9 +1,9 @@
 """The private APIs of our dependencies that the package still uses, one test each (docs/architecture.md, "Private
 APIs we still use"): each fails with a message saying what changed and where we depend on it, so an upgrade of
 Lightning, torch or TensorBoard that moves one is caught here, not by a user. (The diffusers pipelines' private
-latent helpers, ``QwenImagePipeline._unpack_latents`` and ``Flux2KleinPipeline._patchify_latents`` /
-``_unpatchify_latents`` (``Flux2Pipeline``'s for FLUX.2 [dev]), are checked where they are used: the family tests
-compare the policies' sampling with the pipelines' own.)"""
+latent helpers, ``QwenImagePipeline._unpack_latents``, ``QwenImageEditPipeline._encode_vae_image`` / ``_pack_latents``
+and ``Flux2KleinPipeline._patchify_latents`` / ``_unpatchify_latents`` (``Flux2Pipeline``'s for FLUX.2 [dev]), are
+checked where they are used: the family tests compare the policies' sampling with the pipelines' own.)"""
 
 import inspect
 
