@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from jagg_lightning.batching import batch_slice
-from jagg_lightning.conditions import check_condition_counts
+from jagg_lightning.conditions import ConditionedPrompt, check_condition_counts
 from jagg_lightning.dtypes import compute_dtype
 from jagg_lightning.ode_solvers import ode_tail
 from jagg_lightning.rewards import Reward
@@ -192,7 +192,7 @@ class Sampler:
         are not finite are scored on finite stand-ins (NaN: 0.5 grey): the update checks the latents themselves and
         skips the update they would enter (:mod:`jagg_lightning.nonfinite`)."""
         with torch.no_grad():
-            images = self.policy.decode(final)
+            images = self.policy.decode_samples(final, prompts)
             if not bool(torch.isfinite(images).all()):
                 images = torch.nan_to_num(images, nan=0.5, posinf=1.0, neginf=0.0).clamp(0, 1)
             return self.score(reward, images, prompts)
@@ -264,7 +264,7 @@ class Sampler:
             self.policy.latent_shape, self.schedule(num_steps), ["ode"] * num_steps, 0.0,
             self.sampling.rollout_batch_size, self.device, self.sde_dtype,
         )
-        return self.policy.decode(traj.latents[-1])
+        return self.policy.decode_samples(traj.latents[-1], [p for p in prompts for _ in range(samples_per_prompt)])
 
     # ------------------------------------------------------------------ memory budget
     def activation_bytes(self, samples: int = 1) -> int:
@@ -290,7 +290,9 @@ class Sampler:
                 seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
             return t
 
-        cond = tuple(c[:1].repeat_interleave(samples, dim=0) for c in self.encode(["a"]))
+        # the probe prompt carries as many (grey) condition images as the family takes: none for text-to-image
+        probe = ConditionedPrompt("a", [torch.full((3, 8, 8), 0.5)] * self.policy.condition_images[0])
+        cond = tuple(c[:1].repeat_interleave(samples, dim=0) for c in self.encode([probe]))
         z = torch.randn(samples, *self.policy.latent_shape, generator=torch.Generator().manual_seed(0))
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             self.velocity(z.to(self.device), torch.full((samples,), 0.5, device=self.device), cond)

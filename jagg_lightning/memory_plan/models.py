@@ -167,14 +167,17 @@ def twin_spec(family: str) -> ModelSpec:
                          pipe.scheduler.config.get("shift") or 1.0), components=comps)
 
 
+# the families jagg plan sizes (shapes.geometry); a named other one is refused before anything is read
+PLANNED_FAMILIES = ("sd3", "flux", "flux2", "flux2_dev", "qwen_image", "wan", "wan22")
+
+
 def model_spec(policy) -> ModelSpec:
     """The :class:`ModelSpec` of a ``PolicyConfig``: the tiny twin, a shipped config (by hub id) or a local folder."""
     from jagg_lightning.assets import find_local
 
-    planned = set(FAMILY_OF_PIPELINE.values()) | {"wan22"}
-    if policy.family is not None and policy.family not in planned:  # before looking for its files
+    if policy.family is not None and policy.family not in PLANNED_FAMILIES:
         raise ValueError(f"policy.family: jagg plan has no memory plan for the {policy.family} family yet (planned: "
-                         f"{', '.join(sorted(planned))})")
+                         f"{', '.join(PLANNED_FAMILIES)})")
     if policy.pretrained is None:
         return twin_spec(policy.family or "sd3")
     local = find_local(policy.pretrained)

@@ -95,7 +95,8 @@ def test_load_from_checkpoint_builds_the_policy_and_restores_the_lora(tmp_path, 
     assert any(not torch.equal(dict(fresh.named_parameters())[n], trained[n]) for n in lora)
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "flux2", "flux2_dev", "qwen_image", "qwen_image_edit", "z_image", "wan"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "flux2", "flux2_dev", "qwen_image", "qwen_image_edit", "z_image", "wan",
+                                    "wan22_ti2v"])
 def test_a_resolution_the_family_cannot_take_is_refused_before_any_model_is_built(family, tmp_path, rng_seed):
     """From the saved folder's JSON files alone (the config check, no model), with the multiple diffusers' own pipeline
     implies (its VAE scale factor x the 2x2 patches every family uses), and the same words as the build's check."""
