@@ -15,6 +15,8 @@ import yaml
 
 from jagg_lightning.quiet import unexpected_lines
 
+from in_process import jagg_in_process
+
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,27 +80,6 @@ CASES = {
 }
 
 
-def jagg_in_process(*args, cwd, capfd, monkeypatch) -> subprocess.CompletedProcess:
-    """`jagg` run in this process: the console entry point itself (``jagg_lightning.cli.main``), its exit status and
-    everything written to the stdout / stderr file descriptors (loggers and warnings included). A `jagg` subprocess
-    spends ~9 s of CPU importing Lightning; one per case made this file the suite's slowest."""
-    from jagg_lightning.cli import main
-
-    monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", ["jagg", *map(str, args)])
-    threads = torch.get_num_threads()
-    capfd.readouterr()
-    try:
-        main(list(map(str, args)))
-        code = 0
-    except SystemExit as exit:
-        code = exit.code if isinstance(exit.code, int) else 1
-    finally:
-        torch.set_num_threads(threads)  # the entry point sets its own
-    out, err = capfd.readouterr()
-    return subprocess.CompletedProcess(["jagg", *args], code, out, err)
-
-
 def run_case(case, tmp_path, run):
     subcommand, extra, _ = CASES[case]
     return run(subcommand, "--config", DIGITS, *[str(a).replace("{tmp}", str(tmp_path)) for a in extra], cwd=tmp_path)
@@ -151,8 +132,10 @@ def test_a_file_that_is_not_a_checkpoint_names_ckpt_path(kind, tmp_path, capfd, 
     assert f"ckpt_path: '{path}' is not a" in line, line
 
 
-def test_resume_refuses_an_override_and_another_adapters_checkpoint(tmp_path):
-    """policy.lora_alpha 64 is the default; the checkpoint was trained with 16: refused by name, not ignored."""
+def test_resume_refuses_an_override_and_another_adapters_checkpoint(tmp_path, capfd, monkeypatch):
+    """policy.lora_alpha 64 is the default; the checkpoint was trained with 16: refused by name, not ignored.
+    Every command runs the console entry point in this process (its exit status and one line are what is read;
+    test_bad_value_is_one_line_from_a_real_jagg_process and test_first_hour read real `jagg` processes' stderr)."""
     config = yaml.safe_load(TINY.read_text())
     config["trainer"] |= {"max_steps": 1, "enable_checkpointing": True, "callbacks": None, "logger": False,
                           "enable_progress_bar": False, "default_root_dir": str(tmp_path)}
@@ -163,22 +146,26 @@ def test_resume_refuses_an_override_and_another_adapters_checkpoint(tmp_path):
     config["lora_export"] = {"dirpath": str(tmp_path / "lora")}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = jagg("fit", "--config", path, cwd=tmp_path)
+
+    def here(*args):
+        return jagg_in_process(*args, cwd=tmp_path, capfd=capfd, monkeypatch=monkeypatch)
+
+    proc = here("fit", "--config", path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [ckpt] = (tmp_path / "checkpoints").glob("*.ckpt")
-    line = one_error_line(jagg("fit", "--config", path, "--ckpt_path", ckpt, "--trainer.max_steps", 2,
-                               "--model.policy.lora_alpha", 64, cwd=tmp_path))
+    line = one_error_line(here("fit", "--config", path, "--ckpt_path", ckpt, "--trainer.max_steps", 2,
+                               "--model.policy.lora_alpha", 64))
     assert "model.policy.lora_alpha: checkpoint 16.0, given 64.0" in line, line
 
     # a checkpoint of another adapter (tiny's, evaluated on the digits model): one line naming ckpt_path, whether
     # the checkpoint's recorded settings tell (before any model is built) or only its weights do (hyper-parameters gone)
-    line = one_error_line(jagg("validate", "--config", DIGITS, "--ckpt_path", ckpt, cwd=tmp_path))
+    line = one_error_line(here("validate", "--config", DIGITS, "--ckpt_path", ckpt))
     assert f"--ckpt_path {ckpt}: the checkpoint was trained with other model settings" in line
     assert "model.policy.pretrained: checkpoint None, given 'digits'" in line, line
     bare = torch.load(ckpt, weights_only=True)
     del bare["hyper_parameters"]
     torch.save(bare, tmp_path / "bare.ckpt")
-    line = one_error_line(jagg("validate", "--config", DIGITS, "--ckpt_path", tmp_path / "bare.ckpt", cwd=tmp_path))
+    line = one_error_line(here("validate", "--config", DIGITS, "--ckpt_path", tmp_path / "bare.ckpt"))
     assert f"ckpt_path {tmp_path / 'bare.ckpt'}: the checkpoint's adapter does not match" in line, line
 
 
