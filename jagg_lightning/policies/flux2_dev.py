@@ -41,13 +41,15 @@ import torch
 from torch import Tensor
 
 from jagg_lightning.policies.base import Guidance, PolicyConfig
-from jagg_lightning.policies.flux2 import FLUX2_LORA_TARGETS, FLUX2_SCHEDULER_CONFIG, Flux2Policy
+from jagg_lightning.policies.flux2 import (
+    FLUX2_LORA_TARGETS, FLUX2_SCHEDULER_CONFIG, Flux2Policy, tiny_flux2_transformer_and_vae,
+)
 from jagg_lightning.policies.tiny import tiny_mistral3_config, tiny_mistral3_processor
 
 
 def build_tiny_flux2_dev_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32):
     """A random ``Flux2Pipeline`` small enough to train on 2 CPU cores (32 px -> 8 x 8 tokens of 16 channels)."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
     from transformers import Mistral3ForConditionalGeneration
 
@@ -56,19 +58,7 @@ def build_tiny_flux2_dev_pipeline(seed: int = 0, dtype: torch.dtype = torch.floa
         torch.manual_seed(seed)
         # 31 layers: the pipeline reads hidden states 10, 20 and 30 (Mistral-Small-3.1 has 40)
         text_encoder = Mistral3ForConditionalGeneration(tiny_mistral3_config(processor.tokenizer, 31)).eval()
-        transformer = Flux2Transformer2DModel(
-            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
-            num_attention_heads=2, joint_attention_dim=3 * 16, timestep_guidance_channels=32, mlp_ratio=2.0,
-            axes_dims_rope=(2, 2, 2, 2), guidance_embeds=True,
-        )
-        vae = AutoencoderKLFlux2(
-            in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
-            up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=(8, 8), layers_per_block=1,
-            latent_channels=4, norm_num_groups=4, sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
-        )
-        # batch-norm statistics away from (0, 1), so a missing (de)normalisation shows in the tests
-        vae.bn.running_mean.copy_(0.3 * torch.randn(16))
-        vae.bn.running_var.copy_(0.5 + torch.rand(16))
+        transformer, vae = tiny_flux2_transformer_and_vae(guidance_embeds=True)
     pipe = Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG), vae=vae,
                          text_encoder=text_encoder, tokenizer=processor, transformer=transformer)
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)

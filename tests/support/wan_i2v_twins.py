@@ -4,13 +4,12 @@ first-frame reward."""
 
 import torch
 
-from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.conditions import condition_pixels
 from jagg_lightning.policies.wan_i2v import build_tiny_wan_i2v_pipeline
-from jagg_lightning.rewards import FrameReward
 
 from family_cases import CONDITIONED_PROMPTS
-from helpers import float64_reward, randomize_lora_b, tiny_policy_config
+import wan_twins
+from helpers import tiny_policy_config
 
 TWINS = {"wan_i2v": False, "wan22_ti2v": True}  # family -> TI2V (expand_timesteps)
 PROMPTS = CONDITIONED_PROMPTS  # random non-square 40 x 56 sources: fitting them to the sampled size crops
@@ -26,20 +25,10 @@ def config(**kw):
                                   "resolution": 32, "num_frames": 9} | kw))
 
 
-def module_for(twin, path, seed, dtype="float32", jagg_frac=0.5, window_size=2, num_steps=4, optimizer=None,
-               shape=None, **grpo):
-    module = JAGGModule(
-        config(pretrained=str(path), dtype=dtype, **(shape or {})),
-        SamplingConfig(num_steps=num_steps, group_size=2, rollout_batch_size=4),
-        GRPOConfig(**({"train_batch_size": 4, "skip_zero_advantage": False} | grpo)),
-        JAGGConfig(window_size=window_size, jagg_frac=jagg_frac),
-        optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-3)),
-        reward=FrameReward(float64_reward(dtype), frames=3),
-        seed=seed,
-    )
-    module.configure_model()
-    randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
-    return module
+def module_for(twin, path, seed, **kw):
+    """The text-to-video twins' module (wan_twins.module_for: FrameReward, every expert's LoRA randomised) on these
+    twins' config."""
+    return wan_twins.module_for(twin, path, seed, make_config=config, **kw)
 
 
 def pipeline_latents(pipe, policy, z, prompt, num_steps, guidance_scale, **call):
