@@ -9,6 +9,7 @@ import lightning as L
 import numpy as np
 import torch
 
+from jagg_lightning.data import read_prompts
 from jagg_lightning.grids import (
     GridMarks, LabelledGrid, count_right, grid_layout, image_grid, labelled_grid, reward_marks, with_sources,
 )
@@ -27,11 +28,19 @@ class SampleImages(L.Callback):
     logger that takes images (:func:`jagg_lightning.images.log_image`: TensorBoard, MLflow, ...). ``last_grid`` is
     the unlabelled grid at native size, ``last_marks`` / ``last_layout`` what was drawn on it and where. Conditioned
     prompts (:class:`jagg_lightning.conditions.ConditionedPrompt`: image editing, image-to-video) get their source
-    image as a first column, labelled "source": source -> base -> fine-tuned."""
+    image as a first column, labelled "source": source -> base -> fine-tuned. ``prompts_file`` instead of
+    ``prompts`` reads them as ``data.prompts_file`` does (:func:`jagg_lightning.data.read_prompts`): a text file, a
+    JSONL file or a dataset folder (its ``split``'s metadata), which is how a config gives conditioned prompts."""
 
-    def __init__(self, prompts: list[str], every_n_steps: int = 50, seed: int = 0, num_steps: int | None = None,
-                 dirpath: str | None = None, samples_per_prompt: int = 1, scale: int | None = None):
+    def __init__(self, prompts: list[str] | None = None, every_n_steps: int = 50, seed: int = 0,
+                 num_steps: int | None = None, dirpath: str | None = None, samples_per_prompt: int = 1,
+                 scale: int | None = None, prompts_file: str | None = None, split: str = "test"):
         super().__init__()
+        if (prompts is None) == (prompts_file is None):
+            raise ValueError("SampleImages needs exactly one of prompts (a list) and prompts_file (a text or JSONL "
+                             f"file, or a dataset folder); got prompts={prompts!r}, prompts_file={prompts_file!r}")
+        if prompts_file is not None:
+            prompts = read_prompts(prompts_file, "SampleImages.prompts_file", split)
         if not prompts:
             raise ValueError("SampleImages.prompts must not be empty")
         if every_n_steps < 1:

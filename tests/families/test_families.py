@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from peft import PeftModel
@@ -222,10 +223,16 @@ def test_jagg_fit_writes_an_adapter_the_family_pipeline_loads(case, twin_dirs, t
     reproduces it, its own __call__ at that size included."""
     seed = str(rng_seed % 10_000)
     args = tiny_fit_args(ROOT / case.tiny_config, seed, twin_dirs[case.name], tmp_path, case.prompts_file)
+    if case.source_kwargs:  # an editing family: a sample grid of the folder's test rows, given from the command line
+        args += ["--trainer.callbacks+=jagg_lightning.callbacks.SampleImages", "--trainer.callbacks.prompts_file",
+                 str(ROOT / case.prompts_file), "--trainer.callbacks.every_n_steps", "2",
+                 "--trainer.callbacks.num_steps", "2", "--trainer.callbacks.dirpath", str(tmp_path / "samples")]
     cli = cli_main([*args, "--model.policy.resolution", "[48, 32]"], run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
     policy = cli.model.policy
     assert policy.resolution == (48, 32)
+    if case.source_kwargs:
+        assert_grid_starts_with_the_sources(cli.trainer, policy)
     assert policy.family == case.family and policy.config.guidance_scale > 1  # the config trains with guidance
     assert policy.guided == case.cfg  # SD3.5 / FLUX.2 / Z-Image: CFG; FLUX: embedded guidance, one forward
     final = tmp_path / "lora" / "final"
@@ -248,6 +255,23 @@ def test_jagg_fit_writes_an_adapter_the_family_pipeline_loads(case, twin_dirs, t
     fresh = PeftModel.from_pretrained(case.build(0, torch.float32).transformer, str(final / "peft")).base_model.model
     with torch.no_grad(), transformer_of(policy, fresh):
         torch.testing.assert_close(policy.velocity(z, t, cond), expected, rtol=1e-5, atol=1e-6)
+
+
+def assert_grid_starts_with_the_sources(trainer, policy):
+    """SampleImages read the test rows of the dataset folder: each row of its grid is source (fitted to the sampled
+    size), base, fine-tuned."""
+    from jagg_lightning.callbacks import SampleImages
+    from jagg_lightning.conditions import condition_images, fit_to
+
+    [samples] = [c for c in trainer.callbacks if isinstance(c, SampleImages)]
+    assert [p.name for p in samples.written] == ["step_000002.png"]
+    assert all(p.images for p in samples.prompts) and samples.last_layout.columns == 3
+    height, width = policy.resolution
+    grid = samples.last_grid
+    assert grid.shape[:2] == (len(samples.prompts) * height, 3 * width)
+    for r, prompt in enumerate(samples.prompts):
+        source = fit_to(condition_images(prompt)[0], height, width).permute(1, 2, 0).numpy()
+        assert np.array_equal(grid[r * height:(r + 1) * height, :width], (source * 255).round().astype(np.uint8))
 
 
 @by_training_case

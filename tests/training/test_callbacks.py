@@ -130,10 +130,16 @@ def test_exactness_warns_about_a_poor_routed_window(rng_seed):
         fit(module, 1, [ExactnessDiagnostics(every_n_steps=1, max_samples=2, min_cosine=1.0)])
 
 
-def test_callback_arguments_are_checked():
+def test_callback_arguments_are_checked(tmp_path):
     with pytest.raises(ValueError, match="every_n_steps must be >= 1"):
         ExactnessDiagnostics(every_n_steps=0)
     with pytest.raises(ValueError, match=r"min_cosine must be in \[-1, 1\]"):
         ExactnessDiagnostics(min_cosine=2.0)
     with pytest.raises(ValueError, match="prompts must not be empty"):
         SampleImages(prompts=[])
+    with pytest.raises(ValueError, match="exactly one of prompts .* and prompts_file"):
+        SampleImages()
+    with pytest.raises(ValueError, match="exactly one of prompts .* and prompts_file"):
+        SampleImages(prompts=["a cat"], prompts_file="configs/prompts/tiny.txt")
+    with pytest.raises(FileNotFoundError, match="no test_metadata.jsonl"):
+        SampleImages(prompts_file=str(tmp_path))  # a folder that is not a dataset
