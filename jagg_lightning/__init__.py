@@ -1,11 +1,40 @@
-"""jagg_lightning: GRPO fine-tuning of flow-matching DiTs where JAGG replaces most per-step backward passes."""
+"""jagg_lightning: GRPO fine-tuning of flow-matching DiTs where JAGG replaces most per-step backward passes.
+
+The public names are imported on first use (PEP 562): ``import jagg_lightning`` and ``__version__`` import no torch,
+so ``jagg --help`` answers at once; ``from jagg_lightning import JAGGModule`` imports what it names.
+"""
 
 __version__ = "0.1.0"
+# what ``jagg --help`` says the tool is
+DESCRIPTION = ("jagg: GRPO fine-tuning of flow-matching text-to-image transformers (SD3, FLUX, Qwen-Image, ...) "
+               "with a LoRA, where JAGG replaces most per-step backward passes. Start with: jagg fit --config "
+               "configs/digits.yaml")
 
-from jagg_lightning.config import EvalConfig, GRPOConfig, JAGGConfig, MemoryConfig, PolicyConfig, SamplingConfig
-from jagg_lightning.data import PromptDataModule
-from jagg_lightning.module import JAGGModule
-from jagg_lightning.policies.sd3 import SD3Policy
+# public name -> the module defining it
+_PUBLIC = {
+    "EvalConfig": "jagg_lightning.config",
+    "GRPOConfig": "jagg_lightning.config",
+    "JAGGConfig": "jagg_lightning.config",
+    "MemoryConfig": "jagg_lightning.config",
+    "PolicyConfig": "jagg_lightning.config",
+    "SamplingConfig": "jagg_lightning.config",
+    "PromptDataModule": "jagg_lightning.data",
+    "JAGGModule": "jagg_lightning.module",
+    "SD3Policy": "jagg_lightning.policies.sd3",
+}
 
-__all__ = ["EvalConfig", "GRPOConfig", "JAGGConfig", "JAGGModule", "MemoryConfig", "PolicyConfig", "PromptDataModule", "SD3Policy",
-           "SamplingConfig"]
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'jagg_lightning' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -1,313 +1,166 @@
-"""``jagg fit --config configs/tiny.yaml``: LightningCLI over JAGGModule and PromptDataModule.
+"""``jagg``: the console entry point (setup.cfg: ``jagg = jagg_lightning.cli:main``). It answers ``jagg``,
+``jagg --help`` and ``jagg --version`` from text alone (no torch, Lightning, diffusers or transformers is imported)
+and hands each subcommand to the module that runs it, imported only then:
 
-Subcommands: ``fit``, ``validate`` (held-out prompts, ODE sampling, see docs/configuration.md),
-``predict`` (images for prompts with the trained adapter), ``test``, ``serve-reward`` (a reward behind
-HTTP, :mod:`jagg_lightning.rewards.server`) and ``plan`` (the memory of a config per device before launch,
-:mod:`jagg_lightning.cli_plan`); the last two are not LightningCLI subcommands.
+- ``fit`` / ``validate`` / ``test`` / ``predict`` (and LightningCLI's own top-level options, ``-c`` /
+  ``--print_config``): :func:`jagg_lightning.cli_lightning.lightning_main`;
+- ``serve-reward``: :func:`jagg_lightning.rewards.server.serve_main` (its ``--help`` imports no torch);
+- ``plan``: :func:`jagg_lightning.cli_plan.plan_main` over the fit config as
+  :func:`jagg_lightning.cli_lightning.parse_config` reads it.
 
-What the CLI adds to LightningCLI:
+``JAGGCLI``, ``cli_main`` and ``parse_config`` are :mod:`jagg_lightning.cli_lightning`'s, still importable from here.
 
-- the ``lora_export`` section (the adapter is always written at the end of fit);
-- crash-safe checkpoints (:class:`AtomicCheckpointIO`) unless the user gives their own checkpoint plugin, and
-  :class:`Preemption` (SIGTERM / SIGUSR1: a checkpoint at the next safe point, exit status 128 + signal) unless the
-  config names one, added at trainer construction so that every saved or printed config stays re-runnable;
-- ``--ckpt_path`` with ``--model.*`` overrides: LightningCLI would silently replace them with the
-  checkpoint's hyper-parameters. Here overrides of settings that do not change what the checkpoint holds
-  (sampling, grpo, jagg, reward, ...) apply; the others stop the run with a message naming them;
-- a bad value found while building the objects stops with the module's own message (no traceback).
+Ctrl-C (SIGINT) ends any of them with one ``jagg ...`` line, no traceback, and exit status 130 (128 + SIGINT, as
+SIGTERM's stop is 143). During ``fit`` the first Ctrl-C stops at the next safe point with a checkpoint, as a
+scheduler's SIGTERM does (:class:`~jagg_lightning.callbacks.Preemption`); a second one stops at once, through
+Lightning's own graceful shutdown (``on_exception`` callbacks, e.g. ``OnExceptionCheckpoint``).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
-from pathlib import Path
+import textwrap
 
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, OnExceptionCheckpoint, ProgressBar
-from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from jagg_lightning import DESCRIPTION, __version__
 
-from jagg_lightning import __version__
-from jagg_lightning.callbacks import LoRAExport, Preemption, PredictionImages
-from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
-from jagg_lightning.callbacks.progress import StepProgressBar
-from jagg_lightning.cli_errors import (
-    as_user_field, check_checkpoint_file, check_trainer, command_line_keys, explain_parse_error, flat_keys, one_line,
-    strategy_error,
-)
-from jagg_lightning.data import PromptDataModule
-from jagg_lightning.io import WriteError
-from jagg_lightning.checks import PolicyBuildError, check_precision
-from jagg_lightning.context_parallel import ContextParallelError
-from jagg_lightning.module import JAGGModule
-from jagg_lightning.nonfinite import NonFiniteError
-from jagg_lightning.peer_failure import exit_line
-from jagg_lightning.preemption import EXIT_BASE
-from jagg_lightning.rewards.base import RewardError
-from jagg_lightning.state import CheckpointMismatchError
-from jagg_lightning.quiet import quiet_defaults
-
-DESCRIPTION = ("jagg: GRPO fine-tuning of flow-matching text-to-image transformers (SD3, FLUX, Qwen-Image, ...) "
-               "with a LoRA, where JAGG replaces most per-step backward passes. Start with: jagg fit --config "
-               "configs/digits.yaml")
-
-# model settings an existing checkpoint does not depend on: changing them on resume is safe
-SAFE_ON_RESUME = ("sampling.", "grpo.", "jagg.", "memory.", "evaluation.", "reward", "reward_workers",
-                  "policy.guidance_scale", "policy.negative_prompt", "policy.max_sequence_length", "policy.resolution",
-                  "policy.num_frames", "policy.dtype", "policy.compile")
+# subcommand -> what it does (the top-level help's list; LightningCLI's four first)
+SUBCOMMANDS = {
+    "fit": "train: GRPO with JAGG on the config's prompts and reward (a LoRA, or all weights)",
+    "validate": "held-out prompts, ODE sampling: reward and metrics of a checkpoint or adapter",
+    "test": "as validate, logged as test metrics",
+    "predict": "images for prompts with the trained adapter",
+    "serve-reward": "a reward behind HTTP, for RemoteReward (pip install 'jagg_lightning[serve]')",
+    "plan": "the memory per device of a config's training step, before launch (nothing allocated)",
+}
+LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+EXIT_SIGINT = 128 + int(signal.SIGINT)
+CHOICES = "{" + ",".join(SUBCOMMANDS) + "}"
+USAGE = f"usage: jagg [-h] [--version] [-c CONFIG] {CHOICES} ..."
 
 
-def _leaves(namespace) -> dict:
-    """Flat {dotted key: value} of a jsonargparse Namespace (or None)."""
-    if namespace is None:
-        return {}
-    return dict(namespace.items(branches=False)) if hasattr(namespace, "items") else {"": namespace}
-
-
-def _safe_on_resume(key: str, fitting: bool = True) -> bool:
-    safe = SAFE_ON_RESUME if fitting else SAFE_ON_RESUME + ("optimizer", "lr_scheduler")
-    return any(key.startswith(p) if p.endswith(".") else key == p or key.startswith(p + ".") for p in safe)
-
-
-class JAGGCLI(LightningCLI):
-    def init_parser(self, **kwargs):
-        parser = super().init_parser(**kwargs)
-        original = parser.error
-
-        def error(message: str, ex: Exception | None = None):  # one line, a suggestion, no usage dump
-            if not parser.exit_on_error:
-                return original(message, ex)
-            known = set()
-            for sub in getattr(self, "_subcommand_parsers", {}).values():
-                known |= flat_keys(sub.get_defaults())
-            self._error(explain_parse_error(message, self._argv, known))
-
-        parser.error = error
-        return parser
-
-    def parse_arguments(self, parser, args) -> None:
-        self._argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else sys.argv[1:]
-        super().parse_arguments(parser, args)
-        self._resume = self._model_as_given()  # LightningCLI then replaces the model section on --ckpt_path
-
-    def add_arguments_to_parser(self, parser) -> None:
-        parser.add_lightning_class_args(LoRAExport, "lora_export")
-
-    def _model_as_given(self) -> tuple | None:
-        """(subcommand, ckpt_path, the model section as given, its defaults) when resuming from a checkpoint file
-        (a path that is no checkpoint stops here, naming ckpt_path); None otherwise."""
-        subcommand = self.config.get("subcommand")
-        if not subcommand:
-            return None
-        ckpt_path = self.config[subcommand].get("ckpt_path")
-        try:
-            check_checkpoint_file(ckpt_path)
-        except ValueError as err:
-            self._error(str(err))
-        if not (ckpt_path and Path(ckpt_path).is_file()):
-            return None
-        return (subcommand, ckpt_path, _leaves(self.config[subcommand].get("model")),
-                _leaves(self._subcommand_parsers[subcommand].get_defaults().get("model")))
-
-    def _apply_resume_overrides(self) -> None:
-        """On ``--ckpt_path`` the checkpoint's hyper-parameters have replaced the model section: put back what the user
-        said that the checkpoint does not depend on, and refuse the rest by name."""
-        if self._resume is None:
-            return
-        subcommand, ckpt_path, user, defaults = self._resume
-        restored = _leaves(self.config[subcommand].get("model"))
-        # what the user said: values that differ from both the defaults and the checkpoint
-        # (or that the command line names, even when it restates a default: --model.policy.lora_alpha 64)
-        said = command_line_keys(self._argv, "model")
-        given = {k: v for k, v in user.items()
-                 if (v != defaults.get(k) or k in said) and v != restored.get(k)}
-        # evaluating a checkpoint reads no optimizer state: only what the weights depend on is refused there
-        fitting = subcommand == "fit"
-        refused = sorted(k for k in given if not _safe_on_resume(k, fitting))
-        if refused:
-            listed = "; ".join(f"model.{k}: checkpoint {restored.get(k)!r}, given {given[k]!r}" for k in refused)
-            self._error(
-                f"--ckpt_path {ckpt_path}: cannot change on resume what the checkpoint's LoRA or optimizer state "
-                f"depends on: {listed}. Drop these overrides, or start a new run without --ckpt_path." if fitting else
-                f"--ckpt_path {ckpt_path}: the checkpoint was trained with other model settings than given: {listed}. "
-                "Drop these overrides (the checkpoint's own are used), or give the matching checkpoint."
-            )
-        for key, value in given.items():
-            self.config[subcommand][f"model.{key}"] = value
-        if given:
-            print(f"Resuming from {ckpt_path} with overrides: "
-                  + ", ".join(f"model.{k}={v!r}" for k, v in sorted(given.items())), file=sys.stderr)
-
-    def before_instantiate_classes(self) -> None:
-        self._apply_resume_overrides()
-        config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
-        try:  # LightningCLI builds the model before the datamodule: check both before any model is built
-            check_trainer(config.get("trainer"))
-            check_precision(config.get("trainer", {}).get("precision"), config.get("model.policy.dtype"))
-            data = config.get("data")
-            if data is not None and not hasattr(data, "class_path"):
-                PromptDataModule.check_arguments(**dict(data.items()))
-                self._check_eval_prompts(data)
-        except (ValueError, FileNotFoundError) as err:
-            self._error(str(err))
-        if self.subcommand in ("validate", "test", "predict") and not config.get("ckpt_path") \
-                and not config.get("model.policy.adapter"):
-            print(f"jagg {self.subcommand}: no --ckpt_path and no --model.policy.adapter: sampling the untrained base "
-                  "model", file=sys.stderr)
-
-    def _check_eval_prompts(self, data) -> None:
-        held_out = data.get("val_prompts") is not None or data.get("val_prompts_file") is not None
-        if self.subcommand in ("validate", "test") and not held_out:
-            raise ValueError(f"data.val_prompts: jagg {self.subcommand} needs held-out prompts: give data.val_prompts "
-                             "(a list) or data.val_prompts_file (one prompt a line)")
-        if self.subcommand == "predict" and not held_out and data.get("predict_prompts") is None \
-                and data.get("predict_prompts_file") is None:
-            raise ValueError("data.predict_prompts: jagg predict needs prompts: give data.predict_prompts (a list), "
-                             "data.predict_prompts_file, or validation prompts (data.val_prompts)")
-
-    def instantiate_classes(self) -> None:
-        try:
-            super().instantiate_classes()
-        except (ValueError, FileNotFoundError) as err:
-            self._error(str(err))
-
-    def before_fit(self) -> None:
-        """``--ckpt_path last``: Lightning's choice (the newest of ModelCheckpoint's ``last`` files and
-        OnExceptionCheckpoint's), or the Preemption callback's checkpoint when that is newer -- a job restarted with
-        the same command after a stop resumes where it stopped."""
-        config = self.config_init["fit"]
-        if config.get("ckpt_path") != "last":
-            return
-        candidates = {p for c in self.trainer.callbacks if isinstance(c, Preemption)
-                      for p in [c.checkpoint_file(self.trainer)] if p.is_file()}
-        if not candidates:
-            return
-        for callback in self.trainer.checkpoint_callbacks:  # what Lightning's "last" would choose among
-            if isinstance(callback, ModelCheckpoint):
-                candidates |= {Path(p) for p in callback._find_last_checkpoints(self.trainer)}
-            if isinstance(callback, OnExceptionCheckpoint) and Path(callback.ckpt_path).is_file():
-                candidates.add(Path(callback.ckpt_path))
-        config["ckpt_path"] = str(max(candidates, key=lambda p: p.stat().st_mtime))
-
-    def instantiate_trainer(self, **kwargs):
-        """The Trainer with the crash-safe checkpoint plugin (unless the user gives a CheckpointIO), the step progress
-        bar (unless they give a progress bar) and, for ``predict``, the image writer (unless they give a writer)."""
-        config = dict(self.config_init.get(str(self.subcommand), self.config_init).get("trainer") or {}) | kwargs
-        plugins = config.get("plugins")
-        plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
-        if not any(isinstance(p, CheckpointIO) for p in plugins):
-            plugins.append(AtomicCheckpointIO())
-        callbacks = config.get("callbacks") or []
-        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-            callbacks.append(StepProgressBar())
-        if self.subcommand == "fit" and not any(isinstance(c, Preemption) for c in callbacks):
-            callbacks.append(Preemption())  # a scheduler's signal: a checkpoint and a non-zero exit status
-        if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in callbacks):
-            callbacks.append(PredictionImages())  # predictions are images: write them
-        try:
-            return super().instantiate_trainer(**(kwargs | {"plugins": plugins, "callbacks": callbacks}))
-        except MisconfigurationException as err:  # a trainer value Lightning refuses
-            self._error(f"trainer: {err}")
-
-    def _error(self, message: str) -> None:
-        fail(message)
-
-
-def fail(message: str) -> None:
-    """One ``jagg: error:`` line (the field as the user wrote it), exit status 2."""
-    print(f"jagg: error: {strategy_error(message) or one_line(as_user_field(message))}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def cli_main(args=None, run: bool = True) -> JAGGCLI:
-    """``run=False`` parses and builds model, datamodule and trainer without a subcommand (for tests). What the run
-    itself finds wrong in the configuration stops it with one ``jagg: error:`` line, no traceback."""
-    try:
-        return JAGGCLI(
-            JAGGModule,
-            PromptDataModule,
-            args=args,
-            run=run,
-            save_config_kwargs={"overwrite": True},
-            parser_kwargs={"description": DESCRIPTION, "version": __version__, "prog": "jagg"},
-            trainer_defaults={"accelerator": "auto", "devices": 1},
-            auto_configure_optimizers=False,  # the module's own model.optimizer sees only the LoRA parameters
-        )
-    except PolicyBuildError as err:  # found while the model is built (LoRA targets, adapter)
-        fail(str(err))
-    except ContextParallelError as err:  # found when context parallelism meets the built model
-        fail(str(err))
-    except CheckpointMismatchError as err:  # found when the checkpoint meets the built model
-        fail(f"ckpt_path {err.ckpt_path}: {err}")
-    except MisconfigurationException as err:  # Lightning's checks of trainer settings at fit start
-        fail(f"trainer: {err}")
-
-
-class ParseOnlyCLI(JAGGCLI):
-    """Parses and checks a config as ``jagg fit`` does, and builds nothing (``jagg plan``)."""
-
-    def instantiate_classes(self) -> None:
-        pass
-
-
-def parse_config(args: list[str]):
-    """The config ``jagg fit <args>`` would run (files, overrides, the trainer and data checks), without building any
-    object: a jsonargparse Namespace (``model``, ``trainer``, ``data``)."""
-    import warnings
-
-    with warnings.catch_warnings():  # `jagg plan` hands its own remaining arguments over: that is the intent
-        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        return ParseOnlyCLI(JAGGModule, PromptDataModule, args=args, run=False,
-                            parser_kwargs={"description": DESCRIPTION, "version": __version__, "prog": "jagg plan"},
-                            trainer_defaults={"accelerator": "auto", "devices": 1}, auto_configure_optimizers=False).config
+def help_text() -> str:
+    width = max(map(len, SUBCOMMANDS)) + 2
+    listed = "\n".join(f"  {name:<{width}}{text}" for name, text in SUBCOMMANDS.items())
+    return (f"{USAGE}\n\n{textwrap.fill(DESCRIPTION, 79)}\n\n"
+            f"subcommands (jagg <subcommand> --help for each one's options):\n{listed}\n\n"
+            "options:\n  -h, --help            show this help message and exit\n"
+            "  --version             print the version and exit\n"
+            "  -c CONFIG, --config CONFIG\n"
+            "                        a YAML file whose top-level keys are subcommands (most runs\n"
+            "                        give it after one: jagg fit --config configs/tiny.yaml)\n"
+            "  --print_config        print the configuration after all other arguments and exit\n"
+            "\nCtrl-C stops any subcommand with one line, exit status 130 (fit: with a checkpoint, see\n"
+            "docs/callbacks.md); SIGTERM / SIGUSR1 stop fit the same way (143 / 138).\n")
 
 
 def set_cpu_threads() -> int:
     """PyTorch's CPU threads: ``JAGG_NUM_THREADS``, else ``OMP_NUM_THREADS``, else 1 -- measured on the main job
     (README, docs/configuration.md "Threads"): a second thread gains little on the small shipped models and
     oversubscribed cores (another job running) cost up to 18x."""
-    import os
-
-    import torch
-
     value = os.environ.get("JAGG_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or "1"
     if not value.isdigit() or int(value) < 1:
         print(f"jagg: error: JAGG_NUM_THREADS / OMP_NUM_THREADS must be an integer >= 1, got {value!r}", file=sys.stderr)
         raise SystemExit(2)
+    import torch
+
     torch.set_num_threads(int(value))
     return int(value)
 
 
-def main() -> None:
-    """Console entry point (``jagg``): returns nothing, so the exit status is LightningCLI's."""
+def prepare() -> None:
+    """What every command that runs (not a help text) sets first: the quiet defaults and the CPU threads."""
+    from jagg_lightning.quiet import quiet_defaults
+
     quiet_defaults()
     set_cpu_threads()
-    if sys.argv[1:2] == ["serve-reward"]:  # its own argument parser: it builds a reward, not a Trainer
+
+
+class _Interrupts:
+    """SIGINT raises ``KeyboardInterrupt`` as Python's own handler does, and is remembered: Lightning's graceful
+    shutdown swallows the interrupt and exits with status 1, which :func:`main` then reports as the interrupt."""
+
+    received = False
+
+    @classmethod
+    def handle(cls, signum, frame) -> None:
+        cls.received = True
+        raise KeyboardInterrupt
+
+    @classmethod
+    def install(cls) -> None:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored (nohup, &)
+            signal.signal(signal.SIGINT, cls.handle)
+
+
+def _dispatch(args: list[str]) -> int | None:
+    """Run the command ``args`` names; its exit status (None: 0)."""
+    if not args:
+        print(f"jagg: error: give a subcommand, one of {CHOICES} (jagg --help says what each does)", file=sys.stderr)
+        return 2
+    first = args[0]
+    if first in ("-h", "--help"):
+        print(help_text(), end="")
+        return 0
+    if first == "--version":
+        print(f"jagg {__version__}")
+        return 0
+    if first == "serve-reward":  # its own argument parser: it builds a reward, not a Trainer
         from jagg_lightning.rewards.server import serve_main
 
-        raise SystemExit(serve_main(sys.argv[2:]))
-    if sys.argv[1:2] == ["plan"]:  # its own arguments, then the fit config parsed (nothing built)
+        return serve_main(args[1:], prepare=prepare)
+    if first == "plan":  # its own arguments, then the fit config parsed (nothing built)
         from jagg_lightning.cli_plan import plan_main
 
-        raise SystemExit(plan_main(sys.argv[2:], parse_config))
+        if "-h" in args[1:] or "--help" in args[1:]:
+            return plan_main(args[1:], None)  # argparse prints its help and exits before any config is parsed
+        prepare()
+        from jagg_lightning.cli_lightning import parse_config
+
+        return plan_main(args[1:], parse_config)
+    if first in LIGHTNING_SUBCOMMANDS or first.startswith("-"):  # LightningCLI's subcommands and top-level options
+        prepare()
+        from jagg_lightning.cli_lightning import lightning_main
+
+        return lightning_main(args)
+    print(f"jagg: error: unknown subcommand {first!r}: one of {CHOICES} (jagg --help says what each does)",
+          file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point (``jagg``); exits with the command's status."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    _Interrupts.install()
     try:
-        cli_main()
-    # a reward (a server) failed, non-finite values stopped the run, or a checkpoint / export could not be written (a
-    # full disk): one line, no traceback; the checkpoints and adapters written before are intact
-    except (RewardError, NonFiniteError, WriteError) as err:
-        print(f"jagg: error: {err}", file=sys.stderr)
-        raise SystemExit(1) from None
-    except RuntimeError as err:  # a collective failed: a peer died or hung (peer_failure.py); one line, not a traceback
-        line = exit_line(err)
-        if line is None:
+        status = _dispatch(args)
+    except KeyboardInterrupt:
+        status = _interrupted(args)
+    except SystemExit as stop:
+        # Lightning's graceful shutdown on Ctrl-C ends with sys.exit(1) after its on_exception callbacks
+        if not (_Interrupts.received and stop.code == 1):
             raise
-        print(f"jagg: error: {line}", file=sys.stderr)
-        raise SystemExit(1) from None
-    except SIGTERMException:  # Lightning's own stop on SIGTERM is a SystemExit with status 0: not a success
-        raise SystemExit(EXIT_BASE + signal.SIGTERM) from None
+        status = _interrupted(args)
+    raise SystemExit(status or 0)
+
+
+def _interrupted(args: list[str]) -> int:
+    name = f"jagg {args[0]}" if args and not args[0].startswith("-") else "jagg"
+    print(f"{name}: stopped by SIGINT (Ctrl-C), exit status {EXIT_SIGINT}", file=sys.stderr, flush=True)
+    return EXIT_SIGINT
+
+
+# the Lightning side's names, for ``from jagg_lightning.cli import cli_main`` (imported on first use: PEP 562)
+_LIGHTNING_NAMES = ("JAGGCLI", "ParseOnlyCLI", "cli_main", "fail", "lightning_main", "parse_config")
+
+
+def __getattr__(name: str):
+    if name not in _LIGHTNING_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from jagg_lightning import cli_lightning
+
+    return getattr(cli_lightning, name)
 
 
 if __name__ == "__main__":

@@ -10,16 +10,17 @@ strategy is the trainer's (``FSDP2Strategy``: sharded, its ``cpu_offload``; DDP 
 
 from __future__ import annotations
 
-import argparse
 import sys
+
+from jagg_lightning.strict_args import StrictParser
 
 EPILOG = ("Other arguments are overrides, as for jagg fit (e.g. --model.policy.resolution 512 --trainer.devices 8). "
           "Exit status: 0 fits, 1 does not fit, 2 bad config. Nothing is downloaded or allocated: the model is built "
           "on the meta device from its config.json (shipped for the presets' hub ids, or a local pipeline folder's).")
 
 
-def arguments() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jagg plan", description="Memory per device of one training step of a "
+def arguments() -> StrictParser:
+    parser = StrictParser(prog="jagg plan", description="Memory per device of one training step of a "
                                      "config, before launch.", epilog=EPILOG)
     parser.add_argument("--config", action="append", required=True, help="the fit config (YAML); may repeat")
     parser.add_argument("--devices", type=int, help="processes in all (default: trainer.devices x trainer.num_nodes)")
@@ -65,7 +66,13 @@ def optimizer_states(optimizer) -> int:
 
 def plan_main(argv: list[str], parse_config) -> int:
     """The command (``parse_config``: the CLI's parse of a fit config, :func:`jagg_lightning.cli.parse_config`)."""
-    args, rest = arguments().parse_known_args(argv)
+    parser = arguments()
+    args, rest = parser.parse_known_args(argv)
+    for arg in rest:  # the fit config's overrides are dotted (--model.x); an undotted near miss is one of ours
+        name = arg.split("=", 1)[0]
+        if name.startswith("--") and "." not in name and parser.closest(name):
+            print(f"jagg plan: error: {parser.unknown(name)}", file=sys.stderr)
+            return 2
     fit_args = [a for c in args.config for a in ("--config", c)] + rest
     config = parse_config(fit_args)
     try:

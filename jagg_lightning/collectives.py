@@ -40,6 +40,18 @@ def destroy_process_group_at_exit() -> None:
     _CLEANUP_REGISTERED = True
 
 
+def end_process_group() -> None:
+    """End a distributed run that finished on every rank: wait for the others (a barrier), then destroy the process
+    group. Without the barrier the first rank out tears its connections down while a peer is still leaving its last
+    collective, and that peer's gloo threads can abort the process at exit (SIGABRT, "terminate called without an
+    active exception"; seen under FSDP2 even with :func:`destroy_process_group_at_exit`). ``jagg`` calls it after a
+    successful command; a script that drives the Trainer under ``torchrun`` calls it last. Only on success: after a
+    failure the barrier would wait for a rank that is gone (the atexit handler covers that path)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 class Collectives:
     def __init__(self, trainer=None):
         self.trainer = trainer

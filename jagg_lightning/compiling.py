@@ -63,26 +63,30 @@ def repeated_blocks(network: nn.Module) -> list[nn.Module]:
     return transformer_blocks(network)
 
 
-def compile_network(network: nn.Module) -> list[nn.Module]:
-    """Compile ``network``'s repeated blocks in place (``dynamic=True``); returns them."""
+def compile_network(network: nn.Module, backend: str = "inductor") -> list[nn.Module]:
+    """Compile ``network``'s repeated blocks in place (``dynamic=True``, torch.compile's ``backend``); returns them.
+    Lazy, as ``nn.Module.compile`` is: the first call of a block compiles it; compiling again before that call
+    replaces the backend."""
     if getattr(network, "_repeated_blocks", None) and hasattr(network, "compile_repeated_blocks"):
-        network.compile_repeated_blocks(dynamic=True)  # diffusers: block.compile(dynamic=True) per block
+        network.compile_repeated_blocks(dynamic=True, backend=backend)  # diffusers: block.compile(...) per block
     else:
         for block in transformer_blocks(network):
-            block.compile(dynamic=True)
+            block.compile(dynamic=True, backend=backend)
     return repeated_blocks(network)
 
 
-def compile_policy(policy) -> list[nn.Module]:
+def compile_policy(policy, backend: str = "inductor") -> list[nn.Module]:
     """``policy.compile``: compile the repeated blocks of every network the policy runs (the trained ones, with their
     LoRA already injected, and a full fine-tune's frozen reference copies); returns the compiled blocks (none when
-    ``policy.compile`` is null). Call it once, after the LoRA and the reference copies exist."""
+    ``policy.compile`` is null). Call it once, after the LoRA and the reference copies exist. ``backend``: inductor
+    (what ``JAGGModule`` uses); the tests trace the same graphs with ``aot_eager`` (dynamo and AOT autograd, no code
+    generation), which costs them seconds instead of inductor's minutes of cold compile."""
     if policy.config.compile is None:
         return []
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     networks = [*policy.trained_networks().values(), *reference_networks(policy)]
-    return [block for network in networks for block in compile_network(network)]
+    return [block for network in networks for block in compile_network(network, backend)]
 
 
 def is_compiled(block: nn.Module) -> bool:

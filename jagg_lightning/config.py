@@ -17,6 +17,7 @@ from jagg_lightning.dtypes import DTYPES
 from jagg_lightning.estimators import ESTIMATORS
 from jagg_lightning.full_finetune import check_trainable
 from jagg_lightning.grpo import KL_CONVENTIONS, MULTI_REWARD
+from jagg_lightning.ode_solvers import check_ode_tail
 from jagg_lightning.routing import ROUTING_SCORES
 from jagg_lightning.sde import CPS_LOG_PROBS, STEP_KINDS, TRAINABLE_STEP_KINDS
 
@@ -51,9 +52,8 @@ class PolicyConfig:
         Wan2.2: ``transformer_2`` loads the ``peft_transformer_2/`` or ``diffusers_transformer_2/`` part beside it.
     seed: a policy built on its own: the tiny model's init (seed) and the LoRA init (seed + 1, + 2 for Wan2.2's
         ``transformer_2``). In a ``JAGGModule`` deprecated: ``model.seed`` (0 here means that root seed).
-    compile: null (eager) or "repeated_blocks": regional compilation, each trained network's repeated block
-        compiled once with ``torch.compile`` after the LoRA is injected (:mod:`jagg_lightning.compiling`; the
-        module applies it in ``configure_model``, a policy built on its own through ``compiling.compile_policy``).
+    compile: null (eager) or "repeated_blocks": each trained network's repeated block compiled once after the LoRA
+        is injected (:mod:`jagg_lightning.compiling`; a policy built on its own: ``compiling.compile_policy``).
 
     The checks here read nothing but the fields. The family name, the local paths (``pretrained``, ``adapter``:
     found from any directory, :mod:`jagg_lightning.assets`; ``pretrained: digits`` is the shipped test bed) and what a
@@ -110,8 +110,7 @@ class PolicyConfig:
             raise ValueError("policy.lora_targets must be a non-empty list of module names or null (the family's "
                              f"default), got {self.lora_targets!r}")
         check(self.compile is None or self.compile in COMPILE_MODES, "policy.compile",
-              f"null (eager) or {one_of(COMPILE_MODES)} "
-              "(torch.compile of each repeated transformer block)", self.compile)
+              f"null (eager) or {one_of(COMPILE_MODES)} (torch.compile of each repeated block)", self.compile)
         check_trainable(self, PolicyConfig)
 
 
@@ -136,7 +135,9 @@ def image_size(resolution, native) -> tuple[int, int]:
 class SamplingConfig:
     """Rollouts. ``group_size`` K samples per prompt; the first ``trained_steps`` steps get a loss term
     (default all but the last, nearly clean one); ``step_kind`` is the stochastic step of trained steps;
-    ``ode_after_trained`` samples the rest with Euler. ``shift`` None = the model's.
+    ``ode_after_trained`` samples the rest with Euler (``ode_solver`` "euler") or DPM-Solver++(2M) ("dpmpp_2m"), in
+    ``ode_steps`` steps (null: the schedule's remaining steps; :mod:`jagg_lightning.ode_solvers`). ``shift`` None = the
+    model's.
 
     ``cps_log_prob``: "squared_error" (Flow-GRPO's CPS -mean((x - mu)^2)) or "gaussian" (the true density).
     SDE window (Flow-GRPO-Fast / MixGRPO): with ``sde_window_size`` set, only that many consecutive steps
@@ -155,6 +156,8 @@ class SamplingConfig:
     step_kind: str = "sde"  # a trainable kind of sde.STEP_KINDS
     trained_steps: int | None = None
     ode_after_trained: bool = False
+    ode_solver: str = "euler"  # a name of ode_solvers.ODE_SOLVERS
+    ode_steps: int | None = None
     shift: float | None = None
     rollout_batch_size: int = 8
     seed: int = 0  # deprecated: model.seed (0 here: the module's root seed)
@@ -169,7 +172,7 @@ class SamplingConfig:
 
     def __post_init__(self):
         check_ints(self, "sampling", "num_steps", "group_size", "rollout_batch_size", "trained_steps", "seed",
-                    "sde_window_size", "sde_window_shift_every", "sde_window_stride")
+                    "sde_window_size", "sde_window_shift_every", "sde_window_stride", "ode_steps")
         check(self.num_steps >= 2, "sampling.num_steps", ">= 2", self.num_steps)
         check(self.group_size >= 2, "sampling.group_size", ">= 2 (GRPO normalises inside a group)", self.group_size)
         check(0 < self.noise_level <= 2, "sampling.noise_level", "in (0, 2] (trained steps need a density)",
@@ -190,6 +193,7 @@ class SamplingConfig:
         check(self.train_guidance_scale is None or self.train_guidance_scale >= 1.0, "sampling.train_guidance_scale",
               ">= 1.0 (1.0 = no guidance) or null", self.train_guidance_scale)
         self._check_sde_window()
+        check_ode_tail(self)
 
     def _check_sde_window(self) -> None:
         if self.sde_window_size is None:

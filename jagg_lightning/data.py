@@ -2,8 +2,12 @@
 
 The data contract (for your own DataLoader): every batch is ``{"prompt": [str, ...], "index": [int, ...]}``
 -- what a default-collated DataLoader over :class:`PromptDataset` yields. The index seeds the prompt's
-rollout noise, so it must identify the prompt (not its position in the batch). Validation and predict
-loaders follow the same contract.
+rollout noise, so it must identify the prompt (not its position in the batch). A batch of plain strings
+(a DataLoader over a list of prompts) or ``{"prompt": [...]}`` without indices is accepted too: each prompt's
+index is then :func:`prompt_index` of its text, which survives shuffling, resuming, batch size and the number
+of processes. Validation and predict loaders follow the same contract. A conditioned prompt (image editing,
+image-to-video: :class:`jagg_lightning.conditions.ConditionedPrompt`, a ``str`` carrying its condition images, what a
+``.jsonl`` data file or dataset folder gives) travels the same way, its images with it.
 
 The loader is resumable: Lightning saves its ``state_dict`` (epoch and batches consumed) in every
 checkpoint, so a run resumed mid-epoch sees exactly the prompts it would have seen.
@@ -11,6 +15,7 @@ checkpoint, so a run resumed mid-epoch sees exactly the prompts it would have se
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Callable
 
@@ -19,12 +24,20 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from jagg_lightning.conditions import ConditionedPrompt
 
-def read_prompts(path: str | Path, field: str = "data.prompts_file") -> list[str]:
+
+def read_prompts(path: str | Path, field: str = "data.prompts_file", split: str = "train") -> list[str]:
     """Non-empty, stripped lines of a UTF-8 text file (a shipped name such as ``digits_heldout``, a path from the
-    working directory or from the package's directory: :mod:`jagg_lightning.assets`)."""
-    from jagg_lightning.assets import resolve_path
+    working directory or from the package's directory: :mod:`jagg_lightning.assets`); a ``.jsonl`` file or a
+    dataset folder: conditioned prompts (:func:`jagg_lightning.conditions.read_conditioned_prompts`, its ``split``'s
+    ``<split>_metadata.jsonl`` in a folder)."""
+    from jagg_lightning.assets import find_local, resolve_path
+    from jagg_lightning.conditions import read_conditioned_prompts
 
+    found = find_local(path)
+    if found is not None and (found.is_dir() or found.suffix == ".jsonl"):
+        return read_conditioned_prompts(found, field, split)
     path = Path(resolve_path(path, field, kind="file"))
     return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
@@ -43,20 +56,37 @@ def check_prompts(prompts, field: str) -> list[str]:
             raise ValueError(f"{field}[{i}] must be a non-blank string, got {p!r}")
     if not prompts:
         raise ValueError(f"{field}: the prompt list must not be empty")
-    return [p.strip() for p in prompts]
+    return [p if isinstance(p, ConditionedPrompt) else p.strip() for p in prompts]  # a conditioned one is stripped
+
+
+def prompt_index(prompt: str) -> int:
+    """The index of a prompt given without one: the first 4 bytes of the SHA-256 of its UTF-8 text, little-endian,
+    shifted right by one (an int in [0, 2**31)). It depends on the text alone -- not on the order a shuffle deals
+    the prompts, the batch, the process, or how far a resumed loader had got -- so a prompt draws the same noise at
+    a given step in every run (a position in the epoch would change with each shuffle, and a plain DataLoader does
+    not restore its position on resume). Two identical prompts share it (and so their noise at a step)."""
+    digest = hashlib.sha256(prompt.encode("utf-8")).digest()
+    return int.from_bytes(digest[:4], "little") >> 1
 
 
 def unpack_prompt_batch(batch) -> tuple[list[str], list[int]]:
     """The data contract: a batch is ``{"prompt": [str, ...], "index": [int, ...]}`` (what a DataLoader over
-    :class:`jagg_lightning.data.PromptDataset` yields); the index seeds that prompt's noise."""
+    :class:`jagg_lightning.data.PromptDataset` yields); the index seeds that prompt's noise. Plain strings (a
+    list, a tuple or one ``str``) or ``{"prompt": [...]}`` alone take :func:`prompt_index` of each text."""
+    if isinstance(batch, str):
+        batch = [batch]
+    if isinstance(batch, (list, tuple)) and batch and all(isinstance(p, str) for p in batch):
+        batch = {"prompt": list(batch)}
+    if isinstance(batch, dict) and "prompt" in batch and "index" not in batch:
+        prompts = [batch["prompt"]] if isinstance(batch["prompt"], str) else list(batch["prompt"])
+        if not all(isinstance(p, str) for p in prompts):
+            raise TypeError(f"a batch's prompts must be strings, got {[type(p).__name__ for p in prompts]}")
+        batch = {"prompt": prompts, "index": [prompt_index(p) for p in prompts]}
     if not (isinstance(batch, dict) and "prompt" in batch and "index" in batch):
-        got = type(batch).__name__
-        if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], str):
-            got = "a list of strings"
         raise TypeError(
-            f"JAGGModule batches must be dicts {{'prompt': [str], 'index': [int]}} (each prompt's index seeds its "
-            f"noise), got {got}: wrap your prompts in jagg_lightning.data.PromptDataset(prompts) or use "
-            "PromptDataModule"
+            f"JAGGModule batches must be prompt strings or dicts {{'prompt': [str], 'index': [int]}} (each prompt's "
+            f"index seeds its noise), got {type(batch).__name__}: wrap your prompts in "
+            "jagg_lightning.data.PromptDataset(prompts) or use PromptDataModule"
         )
     prompts, indices = list(batch["prompt"]), [int(i) for i in batch["index"]]
     if len(prompts) != len(indices) or not all(isinstance(p, str) for p in prompts):
@@ -231,7 +261,8 @@ class PromptDataModule(L.LightningDataModule):
         if inline is not None:
             return check_prompts(inline, f"data.{field}")
         if file is not None:
-            return check_prompts(read_prompts(file, f"data.{field}_file"), f"data.{field}_file")
+            split = "train" if field == "prompts" else "test"  # a dataset folder's file for each
+            return check_prompts(read_prompts(file, f"data.{field}_file", split), f"data.{field}_file")
         return None
 
     def train_dataloader(self) -> ResumablePromptLoader:

@@ -1,5 +1,5 @@
 """Sample images on disk and in loggers: grids of samples, the run's log directory, and every attached logger
-that takes images, each through its own Lightning API."""
+that takes images or videos, each through its own API (:func:`log_media`: TensorBoard, MLflow, W&B, ...)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,8 @@ import numpy as np
 import torch
 from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger
 
+from jagg_lightning.grids import image_grid, labelled_grid  # noqa: F401 (what a grid shows: grids.py)
 from jagg_lightning.io import atomic_write
-
-
-def image_grid(rows: list[list[torch.Tensor]]) -> np.ndarray:
-    """Images [3, H, W] in [0, 1], laid out row by row -> uint8 array [rows*H, cols*W, 3]; videos
-    [F, 3, H, W] -> a grid per frame, uint8 [F, rows*H, cols*W, 3]."""
-    if rows[0][0].ndim == 4:
-        return np.stack([image_grid([[v[f] for v in row] for row in rows]) for f in range(rows[0][0].shape[0])])
-    return np.concatenate(
-        [np.concatenate([(img.permute(1, 2, 0).float().cpu().numpy() * 255).round() for img in row], axis=1)
-         for row in rows],
-        axis=0,
-    ).astype(np.uint8)
 
 
 def log_dir(trainer) -> Path:
@@ -29,24 +18,6 @@ def log_dir(trainer) -> Path:
 
     ``trainer.log_dir`` broadcasts from rank 0: call this on EVERY process, before any rank-zero-only branch."""
     return Path(trainer.log_dir or trainer.default_root_dir)
-
-
-def log_image(trainer, key: str, image: np.ndarray, step: int) -> list[str]:
-    """Send one RGB image (uint8 [H, W, 3]) to every image-capable logger of ``trainer``: TensorBoard
-    (``experiment.add_image``), MLflow (``experiment.log_image`` of the logger's run) and any logger with a
-    ``log_image(key, images, step)`` method (W&B, Neptune, ...). Returns the class names of those that took it."""
-    took = []
-    for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):
-            logger.experiment.add_image(key, image, step, dataformats="HWC")
-        elif isinstance(logger, MLFlowLogger):
-            logger.experiment.log_image(logger.run_id, image, key=key.replace("/", "_"), step=step)
-        elif callable(getattr(logger, "log_image", None)):
-            logger.log_image(key=key, images=[image], step=step)
-        else:
-            continue
-        took.append(type(logger).__name__)
-    return took
 
 
 def gif_bytes(frames: np.ndarray, fps: float = 8.0) -> bytes:
@@ -61,24 +32,84 @@ def gif_bytes(frames: np.ndarray, fps: float = 8.0) -> bytes:
     return buffer.getvalue()
 
 
-def log_video(trainer, key: str, frames: np.ndarray, step: int, fps: float = 8.0) -> list[str]:
-    """Send a video (uint8 [F, H, W, 3]) to the loggers that take one: TensorBoard as an animated GIF image
-    summary (what ``add_video`` writes, without its moviepy dependency) and any logger with a
-    ``log_video(key, videos, step, fps=, format=)`` method (W&B). Returns the class names of those that took it."""
+def log_media(trainer, key: str, media: np.ndarray, step: int, fps: float = 8.0) -> list[str]:
+    """Send an RGB image (uint8 [H, W, 3]) or a video (uint8 [F, H, W, 3]) as ``key`` to every attached logger
+    that takes it, each by its own API:
+
+    * ``TensorBoardLogger``: ``add_image``; a video as an animated GIF image summary (what ``add_video`` writes,
+      without its moviepy dependency; TensorBoard's image tab plays it);
+    * ``MLFlowLogger``: ``log_image`` on the logger's run (``images/<key>+step+<step>+...png``); a video as the
+      artifact ``videos/<key>_step_<step>.gif``;
+    * ``WandbLogger``: ``log_image`` (``wandb.Image``); a video as ``wandb.Video`` of the GIF's bytes (no moviepy);
+    * any other logger with W&B-style ``log_image(key, images, step)`` / ``log_video(key, videos, step, fps=,
+      format=)`` methods (Neptune, your own); loggers without them (CSV) are skipped.
+
+    Returns the class names of the loggers that took it. Call on rank zero only."""
+    from lightning.pytorch.loggers import WandbLogger  # importable without wandb (imported when a run starts)
+
+    video = media.ndim == 4
     took = []
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
-            from tensorboard.compat.proto.summary_pb2 import Summary
-
-            image = Summary.Image(height=frames.shape[1], width=frames.shape[2], colorspace=3,
-                                  encoded_image_string=gif_bytes(frames, fps))
-            logger.experiment._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=key, image=image)]), step)
-        elif callable(getattr(logger, "log_video", None)):
-            logger.log_video(key=key, videos=[frames.transpose(0, 3, 1, 2)], step=step, fps=[fps], format=["gif"])
+            _to_tensorboard(logger, key, media, step, fps)
+        elif isinstance(logger, MLFlowLogger):
+            _to_mlflow(logger, key, media, step, fps)
+        elif isinstance(logger, WandbLogger):
+            _to_wandb(logger, key, media, step, fps)
+        elif not video and callable(getattr(logger, "log_image", None)):
+            logger.log_image(key=key, images=[media], step=step)
+        elif video and callable(getattr(logger, "log_video", None)):
+            logger.log_video(key=key, videos=[media.transpose(0, 3, 1, 2)], step=step, fps=[fps], format=["gif"])
         else:
             continue
         took.append(type(logger).__name__)
     return took
+
+
+def log_image(trainer, key: str, image: np.ndarray, step: int) -> list[str]:
+    """One RGB image (uint8 [H, W, 3]) to every logger that takes images (:func:`log_media`)."""
+    if image.ndim != 3:
+        raise ValueError(f"log_image: {key} must be uint8 [H, W, 3], got shape {image.shape}")
+    return log_media(trainer, key, image, step)
+
+
+def log_video(trainer, key: str, frames: np.ndarray, step: int, fps: float = 8.0) -> list[str]:
+    """One video (uint8 [F, H, W, 3]) to every logger that takes videos (:func:`log_media`)."""
+    if frames.ndim != 4:
+        raise ValueError(f"log_video: {key} must be uint8 [F, H, W, 3], got shape {frames.shape}")
+    return log_media(trainer, key, frames, step, fps)
+
+
+def _to_tensorboard(logger, key: str, media: np.ndarray, step: int, fps: float) -> None:
+    if media.ndim == 3:
+        logger.experiment.add_image(key, media, step, dataformats="HWC")
+        return
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    image = Summary.Image(height=media.shape[1], width=media.shape[2], colorspace=3,
+                          encoded_image_string=gif_bytes(media, fps))
+    logger.experiment._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=key, image=image)]), step)
+
+
+def _to_mlflow(logger, key: str, media: np.ndarray, step: int, fps: float) -> None:
+    if media.ndim == 3:
+        logger.experiment.log_image(logger.run_id, media, key=key.replace("/", "_"), step=step)
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / f"{key.replace('/', '_')}_step_{step:06d}.gif"
+        path.write_bytes(gif_bytes(media, fps))
+        logger.experiment.log_artifact(logger.run_id, str(path), artifact_path="videos")
+
+
+def _to_wandb(logger, key: str, media: np.ndarray, step: int, fps: float) -> None:
+    if media.ndim == 3:
+        logger.log_image(key=key, images=[media], step=step)
+        return
+    import io
+
+    logger.log_video(key=key, videos=[io.BytesIO(gif_bytes(media, fps))], step=step, format=["gif"])
 
 
 def write_image(trainer, path: Path, key: str, image: np.ndarray) -> Path:
@@ -89,40 +120,8 @@ def write_image(trainer, path: Path, key: str, image: np.ndarray) -> Path:
     if image.ndim == 4:  # a video [F, H, W, 3]: an animated GIF beside where the PNG would be
         path = path.with_suffix(".gif")
         atomic_write(path, lambda tmp: Path(tmp).write_bytes(gif_bytes(image)))
-        log_video(trainer, key, image, trainer.global_step)
+        log_media(trainer, key, image, trainer.global_step)
         return path
     atomic_write(path, lambda tmp: Image.fromarray(image).save(tmp, format="PNG"))
-    log_image(trainer, key, image, trainer.global_step)
+    log_media(trainer, key, image, trainer.global_step)
     return path
-
-
-def labelled_grid(grid: np.ndarray, side: int, row_labels: list[str], column_labels: list[str],
-                  scale: int | None = None, min_side: int = 96) -> np.ndarray:
-    """A readable copy of ``grid`` (uint8 [rows*side, cols*W, 3], e.g. from :func:`image_grid`; ``side`` is a cell's
-    height, its width may differ): every pixel repeated ``scale`` times (nearest; None = enough for ``min_side`` px
-    of height per image), one prompt per row written at
-    the left, and one label per column group above it (``column_labels`` split the columns evenly: e.g.
-    ``["base: held-out acc 0.47", "fine-tuned: 0.63"]`` over 2 x 4 samples). A video grid (uint8
-    [F, rows*side, cols*side, 3]) is labelled frame by frame."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    if grid.ndim == 4:
-        return np.stack([labelled_grid(frame, side, row_labels, column_labels, scale, min_side) for frame in grid])
-
-    scale = scale or max(1, -(-min_side // side))
-    big = grid.repeat(scale, axis=0).repeat(scale, axis=1)
-    font = ImageFont.load_default()
-    line = 14
-    width = max([len(t) for t in row_labels] + [0]) * 7 + 12
-    canvas = Image.new("RGB", (width + big.shape[1], 2 * line + big.shape[0]), "white")
-    canvas.paste(Image.fromarray(big), (width, 2 * line))
-    draw = ImageDraw.Draw(canvas)
-    cell = side * scale
-    for r, label in enumerate(row_labels):
-        draw.text((4, 2 * line + r * cell + cell // 2 - line // 2), label, fill="black", font=font)
-    group = big.shape[1] // max(1, len(column_labels))
-    for c, label in enumerate(column_labels):
-        draw.text((width + c * group + 4, line // 2), label, fill="black", font=font)
-        if c:
-            draw.line([(width + c * group, 0), (width + c * group, 2 * line - 1)], fill="red", width=2)  # header only
-    return np.asarray(canvas)

@@ -7,6 +7,8 @@ The contract, for a file (:func:`atomic_write`) and a folder (:func:`atomic_dire
   ``target`` as it was;
 - a process killed while writing leaves the previous one at ``target`` too; its temporary sibling is removed by the
   next write of the same target from the same host (the writer's pid is in the name, and it is dead);
+- the new file / folder has the permissions of any file / folder the process creates (0644 / 0755 under a umask of
+  022), not the private 0600 / 0700 of the temporary sibling it was built in: a model meant to be shared can be read;
 - once the call returns, the new one is durable: its files and folders are fsynced before the rename, the parent
   folder after it (power loss keeps either the old or the new, never an empty file).
 
@@ -182,14 +184,48 @@ def readable_path(path: str | Path) -> Path:
     return path
 
 
+def umask() -> int:
+    """The process's umask, read without changing it where the system says it (Linux: /proc/self/status)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: the only way to read it is to set it (and put it back at once)
+    os.umask(mask)
+    return mask
+
+
+def as_created(path: str | Path, folder: bool = False, mask: int | None = None) -> None:
+    """Give a temporary file (0600) or folder (0700) the permissions ``open`` / ``mkdir`` would have given it (an
+    executable file stays executable where the umask lets it)."""
+    executable = folder or os.stat(path).st_mode & 0o111
+    os.chmod(path, (0o777 if executable else 0o666) & ~(umask() if mask is None else mask))
+
+
+def as_created_tree(root: Path) -> None:
+    """:func:`as_created` for ``root`` and everything under it: writers that keep their files private (safetensors
+    writes 0600) or build in a temporary folder (0700) leave what the umask gives."""
+    mask = umask()
+    for folder, _, files in os.walk(root):
+        as_created(folder, folder=True, mask=mask)
+        for name in files:
+            if not os.path.islink(os.path.join(folder, name)):  # a link's mode is its target's: not ours to change
+                as_created(os.path.join(folder, name), mask=mask)
+
+
 def new_temp_directory(target: str | Path) -> Path:
     """A fresh temporary sibling of ``target`` to build the new folder in (after recovering ``target`` and removing
-    what killed writers left)."""
+    what killed writers left), with a new folder's permissions."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     recover_directory(target)
     remove_stale_temps(target)
-    return Path(tempfile.mkdtemp(prefix=_temp_prefix(target), dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(target), dir=target.parent))
+    as_created(tmp, folder=True)
+    return tmp
 
 
 def discard(tmp: Path) -> None:
@@ -198,7 +234,9 @@ def discard(tmp: Path) -> None:
 
 
 def replace_directory(tmp: Path, target: Path) -> None:
-    """Make the whole folder ``tmp`` the new ``target`` (fsynced), and remove the previous one."""
+    """Make the whole folder ``tmp`` the new ``target`` (fsynced, with the permissions the umask gives), and remove the
+    previous one."""
+    as_created_tree(tmp)
     fsync_tree(tmp)
     if not os.path.lexists(target):
         os.rename(tmp, target)
@@ -260,6 +298,7 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
         fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), dir=path.parent)
         os.close(fd)
         write(tmp)
+        as_created(tmp)
         fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException as err:

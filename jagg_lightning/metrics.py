@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from jagg_lightning.grids import count_right, image_grid, labelled_grid, reward_marks, with_sources
 from jagg_lightning.jagg import Window
 from jagg_lightning.update import StepReport
 
@@ -121,20 +123,38 @@ class FirstUpdateRatioCheck:
 class EvalSums:
     """Over one process's evaluation samples: sum and count of the reward (``reward_mean``) and of each component
     (``reward/<name>``) in float64 -- :meth:`means` reduces them over the processes first -- and the first
-    ``grid_images`` images for the sample grid."""
+    ``grid_images`` images (with their prompts) for the sample grid (:meth:`grid_picture`)."""
 
     def __init__(self, device: torch.device | str = "cpu", grid_images: int = 0):
         self.device, self.grid_images = device, grid_images
         self.sums: dict[str, Tensor] = {}  # name -> [sum, count]
         self.grid: list[Tensor] = []  # on the CPU
+        self.grid_prompts: list[str] = []
 
-    def add(self, images: Tensor, total: Tensor, components: dict[str, Tensor]) -> None:
+    def add(self, images: Tensor, total: Tensor, components: dict[str, Tensor], prompts: list[str] = ()) -> None:
         for name, scores in {"reward_mean": total, **{f"reward/{n}": c for n, c in components.items()}}.items():
             acc = self.sums.setdefault(name, torch.zeros(2, dtype=torch.float64, device=self.device))
             acc += torch.stack([scores.double().sum(), torch.tensor(float(scores.numel()), dtype=torch.float64)]).to(acc)
         wanted = self.grid_images - sum(len(g) for g in self.grid)
         if wanted > 0:
             self.grid.append(images[:wanted].cpu())
+            self.grid_prompts += list(prompts)[:wanted]
+
+    def grid_picture(self, per_row: int, label: str, reward=None) -> np.ndarray:
+        """The grid of the kept images, ``per_row`` samples of one prompt per row, labelled: the prompts, ``label``
+        (what was sampled) above it and, given the ``reward``, each image's score under it and its frame when the
+        reward says right / wrong (:func:`~jagg_lightning.grids.reward_marks`; the count of right ones beside
+        ``label``)."""
+        images = torch.cat(self.grid)
+        rows = [list(images[i:i + per_row]) for i in range(0, len(images), per_row)]
+        prompts = self.grid_prompts[::per_row] if len(self.grid_prompts) == len(images) else []
+        marks = reward_marks(reward, images, self.grid_prompts, per_row) if reward is not None and prompts else None
+        if marks is not None and marks.correct:
+            label += f": {count_right(marks.correct, range(per_row))}"
+        rows, marks, sourced = with_sources(rows, prompts, marks)  # editing / image-to-video: source -> results
+        labels, sizes = (["source", label], [1, per_row]) if sourced else ([label], None)
+        return labelled_grid(image_grid(rows), images.shape[-2], prompts, labels, columns=len(rows[0]), marks=marks,
+                             group_sizes=sizes)
 
     def means(self, reduce_sum: Callable[[Tensor], Tensor] = lambda t: t) -> dict[str, Tensor]:
         """{name: mean over every sample of every process} (``reduce_sum`` sums over the processes), float32."""

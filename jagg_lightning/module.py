@@ -31,14 +31,16 @@ from jagg_lightning.checks import (
 from jagg_lightning.collectives import Collectives, destroy_process_group_at_exit
 from jagg_lightning.compiling import compile_policy
 from jagg_lightning.config import EvalConfig, GRPOConfig, JAGGConfig, MemoryConfig, SamplingConfig, as_config, check_sections
+from jagg_lightning.conditions import check_data_conditions
 from jagg_lightning.data import unpack_prompt_batch
 from jagg_lightning.dtypes import compute_dtype
 from jagg_lightning.ema import LoRAEMA
-from jagg_lightning.images import image_grid, log_dir, write_image
+from jagg_lightning.grids import weights_label
+from jagg_lightning.images import log_dir, write_image
 from jagg_lightning.jagg import Window, WindowGradientCheck, WindowRecord
 from jagg_lightning.metrics import EvalSums, FirstUpdateRatioCheck, train_metrics
 from jagg_lightning.old_keys import move_old_keys, resolve_seeds
-from jagg_lightning.policies import Policy, PolicyConfig, build_policy
+from jagg_lightning.policies import Policy, PolicyConfig, build_policy, policy_class
 from jagg_lightning.policy_checks import check_policy
 from jagg_lightning.reference import attach_reference, reference_networks
 from jagg_lightning.rewards import Reward, build_reward, describe_reward
@@ -96,8 +98,7 @@ class JAGGModule(L.LightningModule):
 
     def __init__(
         self,
-        # typed without `| None` (None is still accepted): the CLI then prints the full sections and shows
-        # the dataclasses' own error messages instead of "does not validate against any of the Union subtypes"
+        # typed without `| None` (None still works): the CLI shows full sections and the dataclasses' own errors
         policy: PolicyConfig = PolicyConfig(),
         sampling: SamplingConfig = SamplingConfig(),
         grpo: GRPOConfig = GRPOConfig(),
@@ -215,6 +216,7 @@ class JAGGModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         destroy_process_group_at_exit()  # Lightning leaves it to interpreter shutdown, where gloo can abort
         check_precision(self.trainer.precision, self.policy_config.dtype)
+        check_data_conditions(getattr(self.trainer, "datamodule", None), policy_class(self.policy_config))  # no model yet
         check_strategy(self.trainer.strategy, ModelParallelStrategy, stage, self.jagg, self.policy_config)
 
     def teardown(self, stage: str) -> None:
@@ -300,7 +302,7 @@ class JAGGModule(L.LightningModule):
         prompts, indices = unpack_prompt_batch(batch)
         images = self.generate(prompts, indices)
         sample_prompts = [p for p in prompts for _ in range(self.evaluation.samples_per_prompt)]
-        self._eval.add(images, *self.sampler.score(self.reward_fn, images, sample_prompts))
+        self._eval.add(images, *self.sampler.score(self.reward_fn, images, sample_prompts), sample_prompts)
 
     test_step = validation_step
 
@@ -316,11 +318,11 @@ class JAGGModule(L.LightningModule):
         means = self._eval.means(Collectives(self.trainer).sum)  # over the data ranks
         self.log_dict({f"{stage}/{n}": m for n, m in means.items()}, sync_dist=False)
         directory = log_dir(self.trainer) / "samples"  # on every process: trainer.log_dir broadcasts
-        if self._eval.grid and self.trainer.is_global_zero:
-            images = torch.cat(self._eval.grid)
-            per_row = self.evaluation.samples_per_prompt
-            grid = image_grid([list(images[i : i + per_row]) for i in range(0, len(images), per_row)])
-            write_image(self.trainer, directory / f"{stage}_step_{self.global_step:06d}.png", f"{stage}/samples", grid)
+        if self._eval.grid and self.trainer.is_global_zero:  # what was sampled (adapter, step) on it and in its name
+            label, name = weights_label(self.trainer.state.fn, self.global_step, self.trainer.ckpt_path,
+                                        self.policy_config.adapter)
+            grid = self._eval.grid_picture(self.evaluation.samples_per_prompt, label, self.reward_fn)
+            write_image(self.trainer, directory / f"{stage}_{name}.png", f"{stage}/samples", grid)
 
     @_full_precision_defaults
     def predict_step(self, batch: dict, batch_idx: int) -> dict:

@@ -6,7 +6,8 @@ in one place, run when the config is checked (``JAGGModule.__init__``), before a
 * ``policy.family``: a registered family (or null: detected);
 * ``policy.pretrained`` / ``policy.adapter``: a local path is found from any directory (:mod:`jagg_lightning.assets`)
   or fails naming the field; an adapter folder must hold an export (``peft/`` or ``diffusers/``);
-* what a local pipeline folder's JSON files tell: a ``policy.resolution`` its family cannot take (``vae/`` and
+* what a local pipeline folder's JSON files tell (and, for the built-in tiny twin, its own configs built on the meta
+  device): a ``policy.resolution`` its family cannot take (``vae/`` and
   ``transformer/config.json``), a ``policy.adapter`` whose parts are for other networks than the family trains
   (``model_index.json``: a Wan2.1 adapter on Wan2.2, or the reverse). A hub id is checked when the model is built,
   as is a folder that is not a diffusers pipeline (the build names what is missing).
@@ -33,7 +34,14 @@ def check_policy(config: PolicyConfig) -> None:
 
 
 def check_against_folder(config: PolicyConfig) -> None:
-    """What a local pipeline folder's files tell before any model is built (the module docstring's last item)."""
+    """What a local pipeline folder's files tell before any model is built (the module docstring's last item); for
+    the built-in tiny twin (``pretrained`` null) the resolution against the twin's own configs."""
+    if config.pretrained is None and config.resolution is not None:
+        cls = detect_family(config).policy_class()
+        multiple = tiny_pixel_multiple(cls)
+        if multiple is not None:
+            cls.check_resolution(config.resolution, multiple)
+        return
     folder = find_local(config.pretrained) if config.pretrained is not None else None
     if folder is None or not (folder / "model_index.json").is_file() or (config.resolution is None
                                                                          and config.adapter is None):
@@ -48,3 +56,17 @@ def check_against_folder(config: PolicyConfig) -> None:
         _, parts = adapter_files(find_local(config.adapter) or config.adapter)
         if set(parts) != expected:
             raise ValueError(cls.adapter_mismatch(config.adapter, parts, expected))
+
+
+def tiny_pixel_multiple(cls) -> int | None:
+    """What ``policy.resolution`` must be a multiple of on ``cls``'s tiny twin: its VAE and transformer configs, built
+    on the meta device (no weights, a fraction of a second). None where a twin cannot be built there (Z-Image's
+    calls ``.item()`` while building): its build checks the resolution."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            pipeline = cls.build_tiny_pipeline(0, torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return None
+    return cls.pixel_multiple(pipeline.vae.config, pipeline.transformer.config)

@@ -12,9 +12,9 @@ A stop at a safe point is consistent by construction:
   before its batch, so a resumed run trains the same step again, bit for bit;
 - between steps: the checkpoint is the one a step-based ``ModelCheckpoint`` would write there.
 
-:class:`Preempted` is a ``SystemExit`` whose code is 128 + the signal's number (143 for SIGTERM, 138 for SIGUSR1:
-what a shell reports for a process the signal killed), so a scheduler or a wrapper script tells it from success,
-and no traceback is printed. Plain Python and torch: the Lightning side is ``callbacks/preemption.py``.
+:class:`Preempted` is a ``SystemExit`` whose code is 128 + the signal's number (143 for SIGTERM, 138 for SIGUSR1, 130
+for SIGINT: what a shell reports for a process the signal killed), so a scheduler or a wrapper script tells it from
+success, and no traceback is printed. Plain Python and torch: the Lightning side is ``callbacks/preemption.py``.
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def signal_number(name: str | int) -> int:
 
 class StopSignals:
     """The handlers of ``signals``: each records the first signal received (``received``) and calls ``on_first``
-    once; :meth:`restore` puts back the handlers found at :meth:`install` (where ours are still in place)."""
+    once; a later SIGINT (Ctrl-C pressed again) goes to the handler found at :meth:`install` and raises
+    ``KeyboardInterrupt`` (stop now). :meth:`restore` puts back the handlers found at install (where ours are still
+    in place)."""
 
     def __init__(self, signals: list[int], on_first: Callable[[int], None] | None = None):
         self.signals = list(signals)
@@ -70,6 +72,11 @@ class StopSignals:
             self.received = signum
             if self.on_first is not None:
                 self.on_first(signum)
+        elif signum == signal.SIGINT:  # Ctrl-C again: stop now, as the handler found at install would
+            previous = self._previous.get(signum)
+            if callable(previous):
+                previous(signum, frame)
+            raise KeyboardInterrupt
 
     def install(self) -> StopSignals:
         global _ACTIVE
@@ -106,5 +113,6 @@ def check(max_over_world: Callable[[int], int], step: int, where: str) -> None:
 
 
 def announce(signum: int) -> None:
+    again = "; Ctrl-C again stops at once, without one" if signum == signal.SIGINT else ""
     print(f"jagg: {signal_name(signum)} received: stopping at the next safe point (a checkpoint, then exit "
-          f"status {EXIT_BASE + signum})", file=sys.stderr, flush=True)
+          f"status {EXIT_BASE + signum}){again}", file=sys.stderr, flush=True)

@@ -23,6 +23,7 @@ from torch import Tensor
 from jagg_lightning.batching import batch_slice
 from jagg_lightning.dtypes import compute_dtype
 from jagg_lightning.jagg import VelocityFn, Window, plan_windows
+from jagg_lightning.ode_solvers import ODEStepper
 from jagg_lightning.sde import STEP_KINDS, LogProbConvention, StepKind, sample_step, step_distribution
 
 if TYPE_CHECKING:
@@ -187,6 +188,7 @@ def rollout_micro_batches(
     reference_steps: Collection[int] = (),
     grad_steps: Collection[int] = (),
     grad_samples: int | None = None,
+    ode_solver: str = "euler",
 ) -> Iterator[SampledMicroBatch]:
     """Run len(generators) samples through the S = len(step_kinds) steps, micro-batch by micro-batch, yielding each
     micro-batch as it ends (the caller decodes and scores it, or updates on it, while the next one waits).
@@ -196,6 +198,8 @@ def rollout_micro_batches(
     same z and t, into ``ref_velocities``: the KL reference costs no second pass over the latents.
     At ``grad_steps`` the first ``grad_samples`` samples of each micro-batch (default: all) are run with
     grad; the micro-batch carries those velocities with their graphs (``graphs``); the sampler uses them detached.
+    ODE steps move by ``ode_solver`` (:class:`~jagg_lightning.ode_solvers.ODEStepper`: "euler", or "dpmpp_2m" whose
+    history starts afresh after each stochastic step); every step still draws its noise, in order.
     """
     num = len(generators)
     steps = len(step_kinds)
@@ -206,6 +210,7 @@ def rollout_micro_batches(
     velocities = torch.empty(steps, num, *latent_shape, dtype=dtype, device=device)
     log_probs = torch.zeros(steps, num, dtype=dtype, device=device)
     times = times.to(device=device, dtype=dtype)
+    ode = ODEStepper(ode_solver, times)
     ref = None if reference_fn is None else torch.zeros_like(velocities)
     traj = Trajectory(latents, log_probs, velocities, times, ref)
 
@@ -231,6 +236,7 @@ def rollout_micro_batches(
         gens, cond_mb = generators[part], batch_slice(cond, part)
         z = noise(gens)
         latents[0, part] = z
+        ode.reset()
         for k, kind in enumerate(step_kinds):
             v = velocity(k, z, cond_mb, mb).to(dtype)
             if ref is not None and k in reference_steps:
@@ -239,7 +245,11 @@ def rollout_micro_batches(
             dist = step_distribution(z, v, times[k], times[k + 1], kind, noise_level)
             eps = noise(gens)
             stochastic = STEP_KINDS[kind].stochastic
-            z = sample_step(dist, eps) if stochastic else dist.mean
+            if stochastic:
+                z = sample_step(dist, eps)
+                ode.reset()
+            else:
+                z = ode.step(k, z, v, dist.mean)
             velocities[k, part] = v
             latents[k + 1, part] = z
             if stochastic:

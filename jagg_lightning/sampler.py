@@ -20,7 +20,9 @@ import torch
 from torch import Tensor
 
 from jagg_lightning.batching import batch_slice
+from jagg_lightning.conditions import ConditionedPrompt, check_condition_counts
 from jagg_lightning.dtypes import compute_dtype
+from jagg_lightning.ode_solvers import ode_tail
 from jagg_lightning.rewards import Reward
 from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.rollout import (
@@ -90,7 +92,14 @@ class Sampler:
     def encode(self, prompts: list[str]) -> tuple:
         """The per-sample condition of a rollout: each prompt's embeddings repeated K times (prompt-major)."""
         K = self.sampling.group_size
-        return tuple(c.repeat_interleave(K, dim=0) for c in self.policy.encode_prompts(prompts, self.guidance))
+        return tuple(c.repeat_interleave(K, dim=0) for c in self.encode_prompts(prompts, self.guidance))
+
+    def encode_prompts(self, prompts: list[str], guidance: Guidance) -> tuple:
+        """The policy's condition of ``prompts``, after checking each carries the condition images its family takes
+        (none for text-to-image; an editing family's source: :mod:`jagg_lightning.conditions`)."""
+        policy = self.policy
+        check_condition_counts(prompts, policy.condition_images, policy.family, "prompts")
+        return policy.encode_prompts(list(prompts), guidance)
 
     def rollout(self, cond: tuple, prompt_indices: list[int], step: int, step_kinds: list[str] | None = None,
                 reference_steps: Collection[int] = (), graph_steps: Collection[int] = (),
@@ -101,15 +110,23 @@ class Sampler:
         ``step_kinds`` default: those of the rollout at ``step`` (:func:`~jagg_lightning.rollout.step_kinds_at`).
         With kl_beta > 0 the reference velocity (adapter off) of every ``reference_steps`` step is taken
         inside the rollout, on the same z and t (``trajectory.ref_velocities``). The fused mode's ``graph_steps``
-        keep their graphs for the first ``graph_samples`` samples of each micro-batch (None: all)."""
+        keep their graphs for the first ``graph_samples`` samples of each micro-batch (None: all). With
+        ``sampling.ode_steps`` the ODE tail after the trained steps runs on its own grid (:meth:`rollout_grid`)."""
+        times, kinds = self.rollout_grid(step_kinds or step_kinds_at(self.sampling, step)[0])
         return rollout_micro_batches(
             self.velocity, cond, sample_generators(self.sampling.seed, step, prompt_indices, self.sampling.group_size),
-            self.policy.latent_shape, self.times, step_kinds or step_kinds_at(self.sampling, step)[0],
-            self.sampling.noise_level, self.sampling.rollout_batch_size, self.device, self.sde_dtype,
-            self.sampling.cps_log_prob,
+            self.policy.latent_shape, times, kinds, self.sampling.noise_level, self.sampling.rollout_batch_size,
+            self.device, self.sde_dtype, self.sampling.cps_log_prob,
             reference_fn=self.reference_velocity if self.kl_beta > 0 and reference_steps else None,
             reference_steps=set(reference_steps), grad_steps=set(graph_steps), grad_samples=graph_samples,
+            ode_solver=self.sampling.ode_solver,
         )
+
+    def rollout_grid(self, step_kinds: list[str]) -> tuple[Tensor, list[str]]:
+        """The rollout's times and step kinds: the schedule and ``step_kinds`` (length ``num_steps``), or with
+        ``sampling.ode_steps`` the trained steps' times and kinds, then the ODE tail's ``ode_steps`` steps to 0
+        (:func:`~jagg_lightning.ode_solvers.ode_tail`; the trained steps' indices and times are unchanged)."""
+        return ode_tail(self.times, step_kinds, self.sampling.num_trained, self.sampling.ode_steps)
 
     def trajectories(self, prompts: list[str], prompt_indices: list[int], step: int,
                      step_kinds: list[str] | None = None, reference_steps: Collection[int] = ()) -> tuple[Trajectory, tuple]:
@@ -175,7 +192,7 @@ class Sampler:
         are not finite are scored on finite stand-ins (NaN: 0.5 grey): the update checks the latents themselves and
         skips the update they would enter (:mod:`jagg_lightning.nonfinite`)."""
         with torch.no_grad():
-            images = self.policy.decode(final)
+            images = self.policy.decode_samples(final, prompts)
             if not bool(torch.isfinite(images).all()):
                 images = torch.nan_to_num(images, nan=0.5, posinf=1.0, neginf=0.0).clamp(0, 1)
             return self.score(reward, images, prompts)
@@ -239,7 +256,7 @@ class Sampler:
         sampling with ``num_steps`` steps, ``guidance`` (None: ``policy.guidance_scale``) and the policy's current
         weights; the noise of sample i of prompt index j depends on (seed, step, j, i) only."""
         guidance = guidance or self.policy.guidance()
-        encoded = self.policy.encode_prompts(list(prompts), guidance)
+        encoded = self.encode_prompts(prompts, guidance)
         cond = tuple(c.repeat_interleave(samples_per_prompt, dim=0) for c in encoded)
         traj = sample_trajectories(
             functools.partial(self.policy.velocity, guidance=guidance), cond,
@@ -247,7 +264,7 @@ class Sampler:
             self.policy.latent_shape, self.schedule(num_steps), ["ode"] * num_steps, 0.0,
             self.sampling.rollout_batch_size, self.device, self.sde_dtype,
         )
-        return self.policy.decode(traj.latents[-1])
+        return self.policy.decode_samples(traj.latents[-1], [p for p in prompts for _ in range(samples_per_prompt)])
 
     # ------------------------------------------------------------------ memory budget
     def activation_bytes(self, samples: int = 1) -> int:
@@ -273,7 +290,9 @@ class Sampler:
                 seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
             return t
 
-        cond = tuple(c[:1].repeat_interleave(samples, dim=0) for c in self.encode(["a"]))
+        # the probe prompt carries as many (grey) condition images as the family takes: none for text-to-image
+        probe = ConditionedPrompt("a", [torch.full((3, 8, 8), 0.5)] * self.policy.condition_images[0])
+        cond = tuple(c[:1].repeat_interleave(samples, dim=0) for c in self.encode([probe]))
         z = torch.randn(samples, *self.policy.latent_shape, generator=torch.Generator().manual_seed(0))
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             self.velocity(z.to(self.device), torch.full((samples,), 0.5, device=self.device), cond)

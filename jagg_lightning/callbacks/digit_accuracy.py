@@ -19,7 +19,8 @@ from jagg_lightning.testbed.judge import JUDGE_PATH, DigitJudge, load_judge
 class DigitAccuracy(L.Callback):
     """prompts: held-out prompts (default: every held-out template x digit); ``history`` keeps
     (global step, accuracy, reward) of every evaluation, ``results`` the whole result of each
-    (:func:`~jagg_lightning.testbed.evaluate.heldout_accuracy`, judge included)."""
+    (:func:`~jagg_lightning.testbed.evaluate.heldout_accuracy`, judge included), ``evaluations`` (step, the logged
+    ``val/*`` values) of each."""
 
     def __init__(self, prompts: list[str] | None = None, every_n_steps: int = 10, samples_per_prompt: int = 2,
                  seed: int = 1234, num_steps: int | None = None, classifier_path: str | None = None,
@@ -37,6 +38,7 @@ class DigitAccuracy(L.Callback):
         self.judge: DigitJudge | None = None
         self.history: list[tuple[int, float, float]] = []
         self.results: list[dict] = []
+        self.evaluations: list[tuple[int, dict[str, float]]] = []  # (step, what was logged): RunSummary reads it
         self.base_result: dict | None = None  # the base model (adapter off), measured once, for sample grids
         self._step = 0
 
@@ -51,12 +53,18 @@ class DigitAccuracy(L.Callback):
         step = trainer.global_step
         self.history.append((step, result["accuracy"], result["reward"]))
         self.results.append(result)
+        metrics = self.metrics(result, "test" if trainer.state.fn == "test" else "val")
+        self.evaluations.append((step, metrics))
         if log and trainer.is_global_zero:
-            metrics = {"val/digit_accuracy": result["accuracy"], "val/digit_reward": result["reward"],
-                       "val/judge_accuracy": result["judge_accuracy"], "val/judge_agreement": result["judge_agreement"]}
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
         return result
+
+    @staticmethod
+    def metrics(result: dict, stage: str = "val") -> dict[str, float]:
+        """The logged names of an evaluation's result."""
+        return {f"{stage}/digit_accuracy": result["accuracy"], f"{stage}/digit_reward": result["reward"],
+                f"{stage}/judge_accuracy": result["judge_accuracy"], f"{stage}/judge_agreement": result["judge_agreement"]}
 
     def column_scores(self) -> dict | None:
         """{"base": held-out accuracy of the base model, "fine-tuned": of the latest evaluation} (SampleImages
@@ -70,11 +78,8 @@ class DigitAccuracy(L.Callback):
         so an exported adapter validated with ``--model.policy.adapter`` shows the accuracy its fit logged."""
         if trainer.state.fn not in ("validate", "test") or trainer.sanity_checking:
             return
-        result = self.evaluate(trainer, pl_module, log=False)
-        stage = "test" if trainer.state.fn == "test" else "val"
-        pl_module.log_dict({f"{stage}/digit_accuracy": result["accuracy"], f"{stage}/digit_reward": result["reward"],
-                            f"{stage}/judge_accuracy": result["judge_accuracy"],
-                            f"{stage}/judge_agreement": result["judge_agreement"]}, sync_dist=False)
+        self.evaluate(trainer, pl_module, log=False)
+        pl_module.log_dict(self.evaluations[-1][1], sync_dist=False)
 
     on_test_epoch_end = on_validation_epoch_end
 

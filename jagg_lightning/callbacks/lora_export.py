@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning as L
 
 from jagg_lightning.adapters import lora_state_dict, save_adapter
+from jagg_lightning.callbacks.progress import finish_progress_bar
 from jagg_lightning.io import atomic_directory
 
 export_lora = save_adapter  # the name this module has always exported
@@ -22,14 +23,18 @@ class LoRAExport(L.Callback):
     ``<dir>/<last|final>/transformer_2``; :mod:`jagg_lightning.export`).
 
     dirpath: where to write; None = ``<trainer.default_root_dir>/lora``. Holds ``last/`` (updated at
-    every checkpoint) and ``final/`` (end of fit).
+    every checkpoint) and ``final/`` (end of fit); ``exported`` maps each to the path written. ``jagg fit`` does not
+    start a new run into a folder that holds an earlier run's ``last/`` or ``final/`` (:mod:`jagg_lightning.cli_outputs`,
+    ``--overwrite true``).
     """
 
     def __init__(self, dirpath: str | None = None):
         super().__init__()
         self.dirpath = dirpath
+        self.exported: dict[str, Path] = {}  # "last" / "final" -> where it was written (rank 0)
 
-    def _root(self, trainer: L.Trainer) -> Path:
+    def folder(self, trainer: L.Trainer) -> Path:
+        """Where the exports go: ``dirpath``, or ``<trainer.default_root_dir>/lora``."""
         return Path(self.dirpath or Path(trainer.default_root_dir) / "lora")
 
     def _export(self, trainer, pl_module, name: str) -> Path | None:
@@ -38,7 +43,7 @@ class LoRAExport(L.Callback):
             from jagg_lightning.export import save_transformer, transformer_state_dict
 
             policy, dtype = pl_module.policy, DTYPES[pl_module.policy.config.dtype]
-            folder = self._root(trainer) / name
+            folder = self.folder(trainer) / name
             # rank 0 builds the whole <name>/ (Wan2.2: both networks) aside: a failed write leaves the previous pair
             with (atomic_directory(folder) if trainer.is_global_zero else nullcontext()) as tmp:
                 for network, module in policy.trained_networks().items():  # Wan2.2: transformer, then transformer_2
@@ -53,13 +58,17 @@ class LoRAExport(L.Callback):
             extra = {n: lora_state_dict(m) for n, m in pl_module.policy.extra_lora_modules().items()}  # Wan2.2
         if not trainer.is_global_zero:
             return None
-        return export_lora(pl_module.policy, self._root(trainer) / name, step=trainer.global_step, weights=weights,
+        return export_lora(pl_module.policy, self.folder(trainer) / name, step=trainer.global_step, weights=weights,
                            extra_weights=extra)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        self._export(trainer, pl_module, "last")
+        path = self._export(trainer, pl_module, "last")
+        if path is not None:
+            self.exported["last"] = path
 
     def on_fit_end(self, trainer, pl_module) -> None:
         path = self._export(trainer, pl_module, "final")
         if path is not None:
+            self.exported["final"] = path
+            finish_progress_bar(trainer, pl_module)  # the line below the finished bar, not above its last redraw
             print(f"LoRA adapter written to {path}")

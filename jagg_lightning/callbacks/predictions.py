@@ -10,6 +10,7 @@ import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 from PIL import Image
 
+from jagg_lightning.callbacks.progress import finish_progress_bar
 from jagg_lightning.images import gif_bytes
 from jagg_lightning.io import atomic_write
 
@@ -48,5 +49,16 @@ class PredictionImages(BasePredictionWriter):
 
     def on_predict_end(self, trainer, pl_module) -> None:
         if trainer.is_global_zero and self.written:
-            print(f"jagg predict: wrote {len(self.written)} images to {self.root}/ (p<prompt>_s<sample>.png; "
-                  f"prompts.rank{trainer.global_rank}.jsonl lists each file's prompt)")
+            finish_progress_bar(trainer, pl_module)  # the line below the finished bar
+            print(self.message(trainer.global_rank))
+
+    def message(self, rank: int = 0) -> str:
+        """What was written, by the files' own names: images (PNG) and / or videos (animated GIF)."""
+        kinds = []
+        for suffix, what in ((".png", "image{} (PNG"), (".gif", "video{} (animated GIF")):
+            names = sorted(p.name for p in self.written if p.suffix == suffix)
+            if names:
+                shown = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
+                kinds.append(f"{len(names)} {what.format('' if len(names) == 1 else 's')}: {shown})")
+        return (f"jagg predict: wrote {' and '.join(kinds)} to {self.root}/; prompts.rank{rank}.jsonl lists each "
+                "file's prompt")

@@ -49,7 +49,8 @@ class Preemption(L.Callback):
         self.checkpoint_path: Path | None = None  # written on the last stop
 
     def checkpoint_file(self, trainer) -> Path:
-        """Where a stop writes its checkpoint outside SLURM (``--ckpt_path last`` considers it: cli.py)."""
+        """Where a stop writes its checkpoint outside SLURM (``--ckpt_path last`` considers it:
+        cli_lightning.py)."""
         return Path(self.dirpath or Path(trainer.default_root_dir) / "checkpoints") / f"{self.filename}.ckpt"
 
     # ------------------------------------------------------------------ handlers

@@ -1,4 +1,5 @@
-"""Sample grids for fixed evaluation prompts and seeds: ODE sampling, adapter off | on side by side, labelled."""
+"""Sample grids for fixed evaluation prompts and seeds: ODE sampling, adapter off | on side by side, labelled and
+marked by the training reward (right / wrong frames, scores)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import lightning as L
 import numpy as np
 import torch
 
-from jagg_lightning.images import image_grid, labelled_grid, log_dir, write_image
+from jagg_lightning.data import read_prompts
+from jagg_lightning.grids import (
+    GridMarks, LabelledGrid, count_right, grid_layout, image_grid, labelled_grid, reward_marks, with_sources,
+)
+from jagg_lightning.images import log_dir, write_image
 
 
 class SampleImages(L.Callback):
@@ -16,14 +21,26 @@ class SampleImages(L.Callback):
     samples of the base model (adapter off) then as many of the fine-tuned one (adapter on, EMA weights when
     enabled), the same seeds for both. The written grid is upscaled (nearest, ``scale``; None = at least 96 px
     per image), with each row's prompt and each half's name -- and, when a callback measures it (``DigitAccuracy``:
-    its ``column_scores``), the held-out accuracy of base and fine-tuned -- written on it. Writes
-    ``<dirpath>/step_XXXXXX.png`` (default dirpath: ``<log dir>/samples``) and sends the same image to every logger
-    that takes images (:func:`jagg_lightning.images.log_image`: TensorBoard, MLflow, ...). ``last_grid`` is the
-    unlabelled grid at native size."""
+    its ``column_scores``), the held-out accuracy of base and fine-tuned -- written on it, and each image marked by the
+    training reward (:func:`jagg_lightning.grids.reward_marks`): its score under it and, when the reward says right /
+    wrong per sample (the digit reward), a green or red frame, counted per row and per half ("base 4/8 right").
+    Writes ``<dirpath>/step_XXXXXX.png`` (default dirpath: ``<log dir>/samples``) and sends the same image to every
+    logger that takes images (:func:`jagg_lightning.images.log_image`: TensorBoard, MLflow, ...). ``last_grid`` is
+    the unlabelled grid at native size, ``last_marks`` / ``last_layout`` what was drawn on it and where. Conditioned
+    prompts (:class:`jagg_lightning.conditions.ConditionedPrompt`: image editing, image-to-video) get their source
+    image as a first column, labelled "source": source -> base -> fine-tuned. ``prompts_file`` instead of
+    ``prompts`` reads them as ``data.prompts_file`` does (:func:`jagg_lightning.data.read_prompts`): a text file, a
+    JSONL file or a dataset folder (its ``split``'s metadata), which is how a config gives conditioned prompts."""
 
-    def __init__(self, prompts: list[str], every_n_steps: int = 50, seed: int = 0, num_steps: int | None = None,
-                 dirpath: str | None = None, samples_per_prompt: int = 1, scale: int | None = None):
+    def __init__(self, prompts: list[str] | None = None, every_n_steps: int = 50, seed: int = 0,
+                 num_steps: int | None = None, dirpath: str | None = None, samples_per_prompt: int = 1,
+                 scale: int | None = None, prompts_file: str | None = None, split: str = "test"):
         super().__init__()
+        if (prompts is None) == (prompts_file is None):
+            raise ValueError("SampleImages needs exactly one of prompts (a list) and prompts_file (a text or JSONL "
+                             f"file, or a dataset folder); got prompts={prompts!r}, prompts_file={prompts_file!r}")
+        if prompts_file is not None:
+            prompts = read_prompts(prompts_file, "SampleImages.prompts_file", split)
         if not prompts:
             raise ValueError("SampleImages.prompts must not be empty")
         if every_n_steps < 1:
@@ -37,11 +54,13 @@ class SampleImages(L.Callback):
         self.samples_per_prompt, self.scale = samples_per_prompt, scale
         self.written: list[Path] = []
         self.last_grid: np.ndarray | None = None
+        self.last_marks: GridMarks | None = None
+        self.last_layout: LabelledGrid | None = None
         self._step = 0
 
     @torch.no_grad()
-    def sample(self, pl_module) -> np.ndarray:
-        """The unlabelled grid: rows = prompts, columns = base samples then fine-tuned samples."""
+    def sample_cells(self, pl_module) -> list[torch.Tensor]:
+        """The cells row by row: per prompt, its base samples then its fine-tuned samples (same seeds)."""
         sampler, per = pl_module.sampler, self.samples_per_prompt
         steps = self.num_steps or pl_module.sampling.num_steps
 
@@ -52,25 +71,54 @@ class SampleImages(L.Callback):
             base = images()
         with pl_module.inference_weights():
             tuned = images()
-        return image_grid([[*base[i * per:(i + 1) * per], *tuned[i * per:(i + 1) * per]]
-                           for i in range(len(self.prompts))])
+        return [c for i in range(len(self.prompts)) for c in (*base[i * per:(i + 1) * per], *tuned[i * per:(i + 1) * per])]
 
-    def column_labels(self, trainer) -> list[str]:
+    def sample(self, pl_module) -> np.ndarray:
+        """The unlabelled grid: rows = prompts, columns = base samples then fine-tuned samples."""
+        cells, columns = self.sample_cells(pl_module), 2 * self.samples_per_prompt
+        return image_grid([cells[i:i + columns] for i in range(0, len(cells), columns)])
+
+    def column_labels(self, trainer, marks: GridMarks | None = None) -> list[str]:
+        """Each half's name; the held-out accuracy a callback measured (``column_scores``); the right ones here."""
         scores = next((c.column_scores() for c in trainer.callbacks if callable(getattr(c, "column_scores", None))),
                       None)
-        if not scores:
-            return ["base (adapter off)", f"fine-tuned, step {trainer.global_step}"]
-        return [f"base: held-out acc {scores['base']:.2f}",
-                f"fine-tuned, step {trainer.global_step}: held-out acc {scores['fine-tuned']:.2f}"]
+        labels = ["base (adapter off)", f"fine-tuned, step {trainer.global_step}"]
+        if marks is not None and marks.correct:
+            per = self.samples_per_prompt
+            labels = [f"{label}: {count_right(marks.correct, range(h * per, (h + 1) * per))}"
+                      for h, label in enumerate(labels)]
+        if scores:
+            labels = [f"{labels[0]}\nheld-out accuracy {scores['base']:.3f}",
+                      f"{labels[1]}\nheld-out accuracy {scores['fine-tuned']:.3f}"]
+        return labels
+
+    def row_notes(self, marks: GridMarks) -> list[str]:
+        """Per row: how many of its base and of its fine-tuned samples the reward reads right."""
+        if not marks.correct:
+            return []
+        per = self.samples_per_prompt
+        return [f"base {sum(map(bool, row[:per]))}/{per}, tuned {sum(map(bool, row[per:]))}/{per} right"
+                for row in marks.correct]
 
     def _write(self, trainer, pl_module) -> None:
-        self.last_grid = grid = self.sample(pl_module)
+        cells, per = self.sample_cells(pl_module), self.samples_per_prompt
+        columns = 2 * per
+        rows = [cells[i:i + columns] for i in range(0, len(cells), columns)]
         path = Path(self.dirpath or log_dir(trainer) / "samples") / f"step_{trainer.global_step:06d}.png"
         if not trainer.is_global_zero:  # log_dir above runs on every process: it broadcasts
+            self.last_grid = image_grid(with_sources(rows, self.prompts, None)[0])
             return
+        prompts = [p for p in self.prompts for _ in range(columns)]
+        marks = reward_marks(pl_module.reward_fn, torch.stack(cells), prompts, columns)
+        labels, notes = self.column_labels(trainer, marks), self.row_notes(marks)
+        # conditioned prompts (editing, image-to-video): each row's source before its samples
+        rows, self.last_marks, sourced = with_sources(rows, self.prompts, marks)
+        self.last_grid = grid = image_grid(rows)
         side = grid.shape[-3] // len(self.prompts)  # an image grid [H, W, 3] or a video grid [F, H, W, 3]
-        labelled = labelled_grid(grid, side, self.prompts, self.column_labels(trainer), self.scale)
-        self.written.append(write_image(trainer, path, "samples", labelled))
+        args = (grid, side, self.prompts, ["source", *labels] if sourced else labels, self.scale, 96, len(rows[0]),
+                self.last_marks, notes, [1, per, per] if sourced else None)
+        self.last_layout = grid_layout(*args)
+        self.written.append(write_image(trainer, path, "samples", labelled_grid(*args)))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._step += 1

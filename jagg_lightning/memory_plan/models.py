@@ -95,7 +95,7 @@ def shipped_spec(folder: Path, hub_id: str | None = None) -> ModelSpec:
 
 
 FAMILY_OF_PIPELINE = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "Flux2KleinPipeline": "flux2",
-                      "QwenImagePipeline": "qwen_image", "WanPipeline": "wan"}
+                      "Flux2Pipeline": "flux2_dev", "QwenImagePipeline": "qwen_image", "WanPipeline": "wan"}
 
 
 def local_spec(folder: Path) -> ModelSpec:
@@ -167,10 +167,17 @@ def twin_spec(family: str) -> ModelSpec:
                          pipe.scheduler.config.get("shift") or 1.0), components=comps)
 
 
+# the families jagg plan sizes (shapes.geometry); a named other one is refused before anything is read
+PLANNED_FAMILIES = ("sd3", "flux", "flux2", "flux2_dev", "qwen_image", "wan", "wan22")
+
+
 def model_spec(policy) -> ModelSpec:
     """The :class:`ModelSpec` of a ``PolicyConfig``: the tiny twin, a shipped config (by hub id) or a local folder."""
     from jagg_lightning.assets import find_local
 
+    if policy.family is not None and policy.family not in PLANNED_FAMILIES:
+        raise ValueError(f"policy.family: jagg plan has no memory plan for the {policy.family} family yet (planned: "
+                         f"{', '.join(PLANNED_FAMILIES)})")
     if policy.pretrained is None:
         return twin_spec(policy.family or "sd3")
     local = find_local(policy.pretrained)

@@ -112,7 +112,7 @@ def _bytes(params) -> int:
 def guided(spec: ModelSpec, policy, sampling) -> bool:
     """Whether the training velocity takes both CFG branches (the family's ``cfg`` of the training guidance)."""
     scale = sampling.train_guidance_scale if sampling.train_guidance_scale is not None else policy.guidance_scale
-    if spec.family == "flux":
+    if spec.family in ("flux", "flux2_dev"):  # embedded guidance: one forward
         return False
     if spec.family == "flux2":
         return scale > 1.0 and not spec.distilled

@@ -38,7 +38,7 @@ def geometry(family: str, config: dict, spatial: int, temporal: int, size: tuple
         return Geometry(family, (c, h, w), (h // p) * (w // p), text, (h // p, w // p))
     if family == "flux":  # 2x2-packed latents, 1x1 patches
         return Geometry(family, (c // 4, h, w), (h // 2) * (w // 2), text, (h // 2, w // 2))
-    if family == "flux2":  # the 2x2 patchified latent is the SDE's
+    if family in ("flux2", "flux2_dev"):  # the 2x2 patchified latent is the SDE's
         return Geometry(family, (c, h // 2, w // 2), (h // 2) * (w // 2), text, (h // 2, w // 2))
     if family == "qwen_image":  # packed tokens [S, 4C]
         return Geometry(family, ((h // 2) * (w // 2), c), (h // 2) * (w // 2), text, (h // 2, w // 2))
@@ -47,7 +47,8 @@ def geometry(family: str, config: dict, spatial: int, temporal: int, size: tuple
         p = config.get("patch_size", (1, 2, 2))
         grid = (f // p[0], h // p[1], w // p[2])
         return Geometry(family, (c, f, h, w), grid[0] * grid[1] * grid[2], text, grid)
-    raise ValueError(f"jagg plan: family {family!r} has no memory plan yet (planned: sd3, flux, flux2, qwen_image, wan)")
+    raise ValueError(f"jagg plan: family {family!r} has no memory plan yet "
+                     "(planned: sd3, flux, flux2, flux2_dev, qwen_image, wan)")
 
 
 def transformer_inputs(geo: Geometry, config: dict, batch: int, dtype: torch.dtype) -> dict:
@@ -67,9 +68,10 @@ def transformer_inputs(geo: Geometry, config: dict, batch: int, dtype: torch.dty
                     encoder_hidden_states=torch.zeros(n, geo.text, config["joint_attention_dim"], dtype=dtype),
                     txt_ids=torch.zeros(geo.text, 3, dtype=dtype), img_ids=torch.zeros(geo.tokens, 3, dtype=dtype),
                     return_dict=False)
-    if f == "flux2":
+    if f in ("flux2", "flux2_dev"):  # [dev]: the embedded guidance, float32 [n]; klein: none
+        guidance = torch.full((n,), 4.0) if f == "flux2_dev" else None
         return dict(hidden_states=torch.zeros(n, geo.tokens, config["in_channels"], dtype=dtype), timestep=t,
-                    guidance=None, encoder_hidden_states=torch.zeros(n, geo.text, config["joint_attention_dim"],
+                    guidance=guidance, encoder_hidden_states=torch.zeros(n, geo.text, config["joint_attention_dim"],
                                                                      dtype=dtype),
                     txt_ids=torch.zeros(geo.text, 4, dtype=torch.long), img_ids=torch.zeros(geo.tokens, 4, dtype=torch.long),
                     return_dict=False)

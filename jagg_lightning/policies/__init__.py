@@ -1,8 +1,9 @@
 """Model families behind one policy interface (``base.Policy``), one file per family.
 
 A family is chosen by ``policy.family`` or detected from the pipeline's ``model_index.json``
-(``_class_name``); with neither (no ``pretrained``) the tiny SD3 twin is built. To add a family, write
-``policies/<name>.py`` (see ``base.py``) and add one ``register_family`` line below.
+(``_class_name``, and where two families share a class, a value one requires: ``WanImageToVideoPipeline`` with
+``expand_timesteps`` is ``wan22_ti2v``); with neither (no ``pretrained``) the tiny SD3 twin is built. To add a
+family, write ``policies/<name>.py`` (see ``base.py``) and add one ``register_family`` line below.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ class Family:
     pipeline_classes: tuple[str, ...]  # model_index.json ``_class_name`` values this family trains
     module: str
     policy: str  # class name inside ``module``
+    # model_index.json values this family needs besides the class (Wan2.2 TI2V: expand_timesteps), as (key, value)
+    requires: tuple[tuple[str, object], ...] = ()
+
+    def matches(self, class_name: str, index: dict | None) -> bool:
+        return class_name in self.pipeline_classes and all((index or {}).get(k) == v for k, v in self.requires)
 
     def policy_class(self) -> type[Policy]:
         return getattr(importlib.import_module(self.module), self.policy)
@@ -31,17 +37,26 @@ class Family:
 FAMILIES: dict[str, Family] = {}
 
 
-def register_family(name: str, pipeline_classes: tuple[str, ...], module: str, policy: str) -> None:
-    FAMILIES[name] = Family(name, tuple(pipeline_classes), module, policy)
+def register_family(name: str, pipeline_classes: tuple[str, ...], module: str, policy: str,
+                    requires: dict | None = None) -> None:
+    FAMILIES[name] = Family(name, tuple(pipeline_classes), module, policy, tuple((requires or {}).items()))
 
 
 register_family("sd3", ("StableDiffusion3Pipeline",), "jagg_lightning.policies.sd3", "SD3Policy")
 register_family("flux", ("FluxPipeline",), "jagg_lightning.policies.flux", "FluxPolicy")
+register_family("flux_kontext", ("FluxKontextPipeline",), "jagg_lightning.policies.flux_kontext",
+                "FluxKontextPolicy")
 register_family("qwen_image", ("QwenImagePipeline",), "jagg_lightning.policies.qwen_image", "QwenImagePolicy")
+register_family("qwen_image_edit", ("QwenImageEditPipeline",), "jagg_lightning.policies.qwen_image_edit",
+                "QwenImageEditPolicy")
 register_family("flux2", ("Flux2KleinPipeline",), "jagg_lightning.policies.flux2", "Flux2Policy")
+register_family("flux2_dev", ("Flux2Pipeline",), "jagg_lightning.policies.flux2_dev", "Flux2DevPolicy")
 register_family("z_image", ("ZImagePipeline",), "jagg_lightning.policies.z_image", "ZImagePolicy")
 register_family("wan", ("WanPipeline",), "jagg_lightning.policies.wan", "WanPolicy")
 register_family("wan22", (), "jagg_lightning.policies.wan", "Wan22TinyPolicy")  # the two-expert tiny twin
+register_family("wan_i2v", ("WanImageToVideoPipeline",), "jagg_lightning.policies.wan_i2v", "WanI2VPolicy")
+register_family("wan22_ti2v", ("WanImageToVideoPipeline",), "jagg_lightning.policies.wan_i2v", "Wan22TI2VPolicy",
+                requires={"expand_timesteps": True})  # the same pipeline class in its TI2V mode
 
 
 def _supported() -> str:
@@ -53,22 +68,30 @@ def check_family(name: str) -> None:
         raise ValueError(f"policy.family must be one of {sorted(FAMILIES)} or null (detect), got {name!r}")
 
 
-def pipeline_class_name(pretrained: str) -> str:
-    """``_class_name`` of a local pipeline directory's model_index.json, or of a hub id's (fetched alone)."""
+def pipeline_index(pretrained: str) -> dict:
+    """A local pipeline directory's model_index.json, or a hub id's (fetched alone)."""
     pretrained = str(find_local(pretrained) or pretrained)  # shipped names, package-relative paths
     index = Path(pretrained) / "model_index.json"
     if index.is_file():
-        return json.loads(index.read_text())["_class_name"]
+        return json.loads(index.read_text())
     if Path(pretrained).exists():
         raise ValueError(f"policy.pretrained must be a diffusers pipeline directory with model_index.json, got {pretrained!r}")
     from diffusers import DiffusionPipeline
 
-    return DiffusionPipeline.load_config(pretrained)["_class_name"]
+    return dict(DiffusionPipeline.load_config(pretrained))
 
 
-def family_for_pipeline_class(class_name: str) -> Family:
-    for family in FAMILIES.values():
-        if class_name in family.pipeline_classes:
+def pipeline_class_name(pretrained: str) -> str:
+    """``_class_name`` of a local pipeline directory's model_index.json, or of a hub id's (fetched alone)."""
+    return pipeline_index(pretrained)["_class_name"]
+
+
+def family_for_pipeline_class(class_name: str, index: dict | None = None) -> Family:
+    """The family of a pipeline class; ``index`` (model_index.json, or a pipeline's config) picks among the families
+    of one class by what they require (WanImageToVideoPipeline: ``expand_timesteps`` -> wan22_ti2v)."""
+    candidates = sorted(FAMILIES.values(), key=lambda f: not f.requires)  # the more specific first
+    for family in candidates:
+        if family.matches(class_name, index):
             return family
     raise ValueError(
         f"pipeline class {class_name!r} is not supported; supported: {_supported()} "
@@ -83,7 +106,8 @@ def detect_family(config: PolicyConfig) -> Family:
         return FAMILIES[config.family]
     if config.pretrained is None:
         return FAMILIES["sd3"]
-    return family_for_pipeline_class(pipeline_class_name(config.pretrained))
+    index = pipeline_index(config.pretrained)
+    return family_for_pipeline_class(index["_class_name"], index)
 
 
 def policy_class(config: PolicyConfig) -> type[Policy]:
@@ -93,7 +117,7 @@ def policy_class(config: PolicyConfig) -> type[Policy]:
 def build_policy(config: PolicyConfig, pipeline=None) -> Policy:
     """Construct (or load) the policy of ``config``'s family."""
     if pipeline is not None and config.family is None:
-        cls = family_for_pipeline_class(type(pipeline).__name__).policy_class()
+        cls = family_for_pipeline_class(type(pipeline).__name__, dict(pipeline.config)).policy_class()
     else:
         cls = policy_class(config)
     return cls(config, pipeline)
@@ -107,4 +131,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["FAMILIES", "Family", "Policy", "PolicyConfig", "build_policy", "check_family", "detect_family", "family_for_pipeline_class", "policy_class", "register_family"]
+__all__ = ["FAMILIES", "Family", "Policy", "PolicyConfig", "build_policy", "check_family", "detect_family", "family_for_pipeline_class", "pipeline_index", "policy_class", "register_family"]

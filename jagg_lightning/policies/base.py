@@ -18,6 +18,8 @@ How to write a family (``policies/<family>.py``, then one line in ``policies/__i
         def velocity(self, z, t, cond, guidance=None): ...     # [n, *latent_shape] -> same shape, guided
         def decode(self, latents): ...                    # -> images [n, 3, H, W] float32 in [0, 1]
                                                           #    (default: AutoencoderKL with scaling/shift)
+        def decode_samples(self, latents, prompts): ...   # optional: the rollout's / evaluation's decode, given
+                                                          #    each sample's prompt (default: decode(latents))
         @property
         def latent_shape(self): ...                       # per-sample shape of z (what the SDE sees)
 
@@ -110,6 +112,9 @@ class Policy(nn.Module):
     pipeline_class_name: str = ""
     video: bool = False  # a video family (``policy.num_frames``; ``decode`` gives [n, F, 3, H, W])
     default_lora_targets: list[str] = []
+    # how many condition images each prompt carries (min, max): (0, 0) text-to-image / video; an editing or
+    # image-to-video family's encode_prompts reads them (jagg_lightning.conditions); checked before training
+    condition_images: tuple[int, int] = (0, 0)
 
     def __init__(self, config: PolicyConfig | None = None, pipeline=None):
         super().__init__()
@@ -171,6 +176,13 @@ class Policy(nn.Module):
         latents = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
         images = self.vae.decode(latents, return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    @torch.no_grad()
+    def decode_samples(self, latents: Tensor, prompts: list[str]) -> Tensor:
+        """The final latents of samples of ``prompts`` (one prompt per sample) -> images: :meth:`decode`. A family
+        whose sampled latent leaves out what the condition fixes (Wan2.2 TI2V: the first latent frame is the
+        image's) puts it back from the prompts first."""
+        return self.decode(latents)
 
     @property
     def latent_shape(self) -> tuple[int, ...]:

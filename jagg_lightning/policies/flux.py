@@ -101,12 +101,13 @@ class FluxPolicy(Policy):
 
     @classmethod
     def load_pipeline(cls, pretrained: str, dtype: torch.dtype, config: PolicyConfig):
-        from diffusers import FluxPipeline
+        import diffusers
 
-        index = FluxPipeline.load_config(pretrained)
+        pipeline_class = getattr(diffusers, cls.pipeline_class_name)  # FluxPipeline, FluxKontextPipeline
+        index = pipeline_class.load_config(pretrained)
         absent = {name: None for name in ("image_encoder", "feature_extractor")
                   if name not in index or index[name][0] is None}
-        return FluxPipeline.from_pretrained(pretrained, torch_dtype=dtype, **absent)
+        return pipeline_class.from_pretrained(pretrained, torch_dtype=dtype, **absent)
 
     def setup(self, pipeline) -> None:
         self.transformer = pipeline.transformer
@@ -165,17 +166,23 @@ class FluxPolicy(Policy):
         ids[..., 2] += torch.arange(w // 2)[None, :]
         return ids.reshape(-1, 3).to(device=device, dtype=dtype)
 
-    def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...], guidance: Guidance | None = None) -> Tensor:
-        """v(z, t): one forward with the embedded guidance ``guidance_scale`` (FLUX.1-dev); ``t`` [n] in [0, 1]."""
-        pe, pooled = cond
-        dtype = self.transformer.dtype
+    def transformer_tokens(self, z: Tensor, cond: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+        """The tokens the transformer sees and their position ids: the packed latent (Kontext appends its source)."""
         n, _, h, w = z.shape
+        return self.pack(z.to(self.transformer.dtype)), self.position_ids(h, w, z.device, cond[0].dtype)
+
+    def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...], guidance: Guidance | None = None) -> Tensor:
+        """v(z, t): one forward with the embedded guidance ``guidance_scale`` (FLUX.1-dev); ``t`` [n] in [0, 1]; the
+        output on the latent's own tokens, unpacked."""
+        pe, pooled = cond[:2]
+        n, _, h, w = z.shape
+        tokens, ids = self.transformer_tokens(z, cond)
         embedded = None
         if self.transformer.config.guidance_embeds:
             embedded = torch.full([n], (guidance or self.guidance()).scale, device=z.device, dtype=torch.float32)
         out = self.transformer(
-            hidden_states=self.pack(z.to(dtype)), timestep=t, guidance=embedded, pooled_projections=pooled,
+            hidden_states=tokens, timestep=t, guidance=embedded, pooled_projections=pooled,
             encoder_hidden_states=pe, txt_ids=torch.zeros(pe.shape[1], 3, device=z.device, dtype=pe.dtype),
-            img_ids=self.position_ids(h, w, z.device, pe.dtype), return_dict=False,
+            img_ids=ids, return_dict=False,
         )[0]
-        return self.unpack(out, h, w)
+        return self.unpack(out[:, : (h // 2) * (w // 2)], h, w)

@@ -28,8 +28,8 @@ one-level ``AutoencoderKLFlux2`` with random batch-norm statistics, a 28-layer (
 pipeline's default layers (9, 18, 27) exist, and the byte-level Qwen2 tokenizer of the Qwen-Image twin with a
 Qwen3-style chat template.
 
-FLUX.2 [dev] (``Flux2Pipeline``: Mistral-3 encoder, embedded guidance) is not covered: its processor-based
-prompt encoding has no offline twin here yet.
+FLUX.2 [dev] (``Flux2Pipeline``: Mistral-3 encoder, embedded guidance) is the ``flux2_dev`` family,
+``policies/flux2_dev.py``: a subclass of this policy (same transformer, latent layout, schedule and decode).
 """
 
 from __future__ import annotations
@@ -60,10 +60,31 @@ FLUX2_SCHEDULER_CONFIG = dict(
     shift=3.0, time_shift_type="exponential", use_dynamic_shifting=True,
 )
 
+def tiny_flux2_transformer_and_vae(guidance_embeds: bool):
+    """The twins' random 1 + 1 block ``Flux2Transformer2DModel`` and one-level ``AutoencoderKLFlux2`` (drawn from the
+    caller's RNG, after its text encoder): klein's without the guidance embedding, [dev]'s with it."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=3 * 16, timestep_guidance_channels=32, mlp_ratio=2.0,
+        axes_dims_rope=(2, 2, 2, 2), guidance_embeds=guidance_embeds,
+    )
+    vae = AutoencoderKLFlux2(
+        in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=(8, 8), layers_per_block=1,
+        latent_channels=4, norm_num_groups=4, sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
+    )
+    # batch-norm statistics away from (0, 1), so a missing (de)normalisation shows in the tests
+    vae.bn.running_mean.copy_(0.3 * torch.randn(16))
+    vae.bn.running_var.copy_(0.5 + torch.rand(16))
+    return transformer, vae
+
+
 def build_tiny_flux2_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32, distilled: bool = False):
     """A random ``Flux2KleinPipeline`` small enough to train on 2 CPU cores (32 px -> 8 x 8 tokens of 16
     channels). ``distilled``: the step-distilled variant's flag (no CFG); default the base model's shape."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
     from transformers import Qwen3ForCausalLM
 
     tokenizer = tiny_qwen3_tokenizer()
@@ -71,19 +92,7 @@ def build_tiny_flux2_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32,
         torch.manual_seed(seed)
         # 28 layers: the pipeline reads hidden states 9, 18 and 27 (Qwen3-4B has 36)
         text_encoder = Qwen3ForCausalLM(tiny_qwen3_config(tokenizer, num_layers=28)).eval()
-        transformer = Flux2Transformer2DModel(
-            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
-            num_attention_heads=2, joint_attention_dim=3 * 16, timestep_guidance_channels=32, mlp_ratio=2.0,
-            axes_dims_rope=(2, 2, 2, 2), guidance_embeds=False,
-        )
-        vae = AutoencoderKLFlux2(
-            in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
-            up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=(8, 8), layers_per_block=1,
-            latent_channels=4, norm_num_groups=4, sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
-        )
-        # batch-norm statistics away from (0, 1), so a missing (de)normalisation shows in the tests
-        vae.bn.running_mean.copy_(0.3 * torch.randn(16))
-        vae.bn.running_var.copy_(0.5 + torch.rand(16))
+        transformer, vae = tiny_flux2_transformer_and_vae(guidance_embeds=False)
     pipe = Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG), vae=vae,
                               text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
                               is_distilled=distilled)
@@ -176,11 +185,12 @@ class Flux2Policy(Policy):
         txt = torch.cartesian_prod(zero, zero, zero, torch.arange(text_len))
         return img.to(device), txt.to(device)
 
-    def _forward(self, z: Tensor, t: Tensor, embeds: Tensor) -> Tensor:
+    def _forward(self, z: Tensor, t: Tensor, embeds: Tensor, guidance: Tensor | None = None) -> Tensor:
+        """One transformer forward; ``guidance`` [n]: the embedded guidance (FLUX.2 [dev]), None for klein."""
         n, _, h, w = z.shape
         img_ids, txt_ids = self._ids(h, w, embeds.shape[1], z.device)
         out = self.transformer(
-            hidden_states=self.to_tokens(z).to(self.transformer.dtype), timestep=t, guidance=None,
+            hidden_states=self.to_tokens(z).to(self.transformer.dtype), timestep=t, guidance=guidance,
             encoder_hidden_states=embeds, txt_ids=txt_ids, img_ids=img_ids, return_dict=False,
         )[0]
         return self.from_tokens(out, h, w)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from jagg_lightning.policies.base import JOINT_ATTENTION_LORA_TARGETS, Guidance, Policy
-from jagg_lightning.policies.tiny import tiny_qwen_tokenizer
+from jagg_lightning.policies.tiny import QWEN_VISION_TOKENS, tiny_qwen_tokenizer
 
 # LoRA on the joint attention of both streams and on both streams' MLPs: the target set of the Flow-GRPO
 # Qwen-Image recipes (verl's flowgrpo_trainer Qwen-Image example: r 64 / alpha 128 on these modules).
@@ -64,16 +64,26 @@ QWEN_IMAGE_SCHEDULER_CONFIG = dict(
 
 def build_tiny_qwen_image_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32):
     """A random ``QwenImagePipeline`` small enough to train on 2 CPU cores (32 px images -> 8 x 8 packed tokens)."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
     tokenizer = tiny_qwen_tokenizer()
+    vae = dict(base_dim=8, dim_mult=[1, 2], temperal_downsample=[False])
+    pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
+                             tokenizer=tokenizer, **tiny_qwen_image_parts(seed, tokenizer, vae))
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+def tiny_qwen_image_parts(seed: int, tokenizer, vae: dict) -> dict:
+    """The tiny twins' random networks: a 2-layer ``Qwen2_5_VLForConditionalGeneration`` (with a one-block vision
+    tower) for ``tokenizer``, the Qwen-Image transformer and a 4-channel ``AutoencoderKLQwenImage`` (``vae``: its
+    base_dim, dim_mult and temperal_downsample, which set the spatial factor 2 ** len(temperal_downsample)). The
+    vision token ids are the tokenizer's when it has them (Qwen-Image-Edit's), else ids past its vocabulary."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
     n = len(tokenizer)
+    vision_ids = [n + i if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id) else
+                  tokenizer.convert_tokens_to_ids(t) for i, t in enumerate(QWEN_VISION_TOKENS)]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         text_config = dict(
@@ -87,23 +97,16 @@ def build_tiny_qwen_image_pipeline(seed: int = 0, dtype: torch.dtype = torch.flo
         vision_config = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16,
                              fullatt_block_indexes=[0])
         text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-            text_config=text_config, vision_config=vision_config,
-            # vision tokens outside the text vocabulary: prompts never contain them
-            vision_start_token_id=n, vision_end_token_id=n + 1, image_token_id=n + 2, video_token_id=n + 3,
+            text_config=text_config, vision_config=vision_config, vision_start_token_id=vision_ids[0],
+            vision_end_token_id=vision_ids[1], image_token_id=vision_ids[2], video_token_id=vision_ids[3],
         )).eval()
         transformer = QwenImageTransformer2DModel(
             patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
             joint_attention_dim=16, axes_dims_rope=(2, 2, 4),
         )
-        vae = AutoencoderKLQwenImage(
-            base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
-            latents_mean=[0.1, -0.2, 0.05, 0.3], latents_std=[1.5, 0.8, 1.2, 2.0],
-        )
-    pipe = QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), vae=vae, text_encoder=text_encoder,
-        tokenizer=tokenizer, transformer=transformer,
-    )
-    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+        vae = AutoencoderKLQwenImage(z_dim=4, num_res_blocks=1, latents_mean=[0.1, -0.2, 0.05, 0.3],
+                                     latents_std=[1.5, 0.8, 1.2, 2.0], **vae)
+    return {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
 
 
 def calculate_shift(image_seq_len: int, scheduler_config) -> float:
@@ -136,6 +139,7 @@ class QwenImagePolicy(Policy):
     family = "qwen_image"
     pipeline_class_name = "QwenImagePipeline"
     default_lora_targets = QWEN_IMAGE_LORA_TARGETS
+    tiny_size = 32  # the tiny twin's native side in pixels (policy.pretrained null)
 
     @classmethod
     def build_tiny_pipeline(cls, seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -147,8 +151,9 @@ class QwenImagePolicy(Policy):
         self.text_encoders = nn.ModuleList([pipeline.text_encoder])
         self.vae_scale_factor = pipeline.vae_scale_factor
         self.latent_channels = self.transformer.config.in_channels // 4
-        # None: the tiny twin's 32 px, or the pipeline's default (1024 px for Qwen-Image)
-        native = 32 if self.config.pretrained is None else pipeline.default_sample_size * self.vae_scale_factor
+        # None: the tiny twin's size, or the pipeline's default (1024 px for Qwen-Image)
+        default = pipeline.default_sample_size * self.vae_scale_factor
+        native = self.tiny_size if self.config.pretrained is None else default
         self.set_size(native)
 
     # ------------------------------------------------------------------ shapes and schedule
@@ -173,25 +178,36 @@ class QwenImagePolicy(Policy):
     def encode_prompts(self, prompts: list[str], guidance: Guidance | None = None) -> tuple[Tensor, ...]:
         """Through the pipeline's own ``encode_prompt`` (template, drop of the system prefix, truncation to
         ``max_sequence_length``); prompt and negative zero-padded to one length with their masks."""
-        cfg = self.cfg(guidance or self.guidance())
+        return self.encode_text(list(prompts), self.cfg(guidance or self.guidance()))
+
+    def encode_text(self, prompts: list[str], cfg: bool, **kwargs) -> tuple[Tensor, ...]:
+        """``(embeds, mask)`` (and the negative's with ``cfg``) of the pipeline's ``encode_prompt`` with ``kwargs``
+        (Qwen-Image-Edit: ``image=``), zero-padded to one length."""
         length = self.config.max_sequence_length
-        pe, mask = self._pipeline.encode_prompt(prompt=list(prompts), device=self.device, max_sequence_length=length)
+        pe, mask = self._pipeline.encode_prompt(prompt=prompts, device=self.device, max_sequence_length=length,
+                                                **kwargs)
         if not cfg:
             return _padded(pe, mask, pe.shape[1])
         neg, neg_mask = self._pipeline.encode_prompt(
-            prompt=[self.config.negative_prompt] * len(prompts), device=self.device, max_sequence_length=length
-        )
+            prompt=[self.config.negative_prompt] * len(prompts), device=self.device, max_sequence_length=length,
+            **kwargs)
         longest = max(pe.shape[1], neg.shape[1])
         return (*_padded(pe, mask, longest), *_padded(neg, neg_mask, longest))
 
-    def _forward(self, z: Tensor, t: Tensor, embeds: Tensor, mask: Tensor) -> Tensor:
+    def transformer_input(self, z: Tensor, extra: tuple[Tensor, ...]) -> tuple[Tensor, list]:
+        """The image tokens the transformer gets for packed latents ``z`` and their ``img_shapes`` (the RoPE grids),
+        ``extra`` being the condition's entries after the text's (none here; Qwen-Image-Edit: the source's tokens)."""
+        return z, [[(1, *self.grid)]] * z.shape[0]
+
+    def _forward(self, z: Tensor, t: Tensor, embeds: Tensor, mask: Tensor, extra: tuple[Tensor, ...] = ()) -> Tensor:
         dtype = self.transformer.dtype
+        tokens, img_shapes = self.transformer_input(z, extra)
         return self.transformer(
-            hidden_states=z.to(dtype), timestep=t, encoder_hidden_states=embeds.to(dtype),
+            hidden_states=tokens.to(dtype), timestep=t, encoder_hidden_states=embeds.to(dtype),
             # all-valid masks go in as None, as the pipeline passes them (the unmasked attention kernel)
             encoder_hidden_states_mask=None if bool(mask.all()) else mask,
-            img_shapes=[[(1, *self.grid)]] * z.shape[0], return_dict=False,
-        )[0]
+            img_shapes=img_shapes, return_dict=False,
+        )[0][:, : z.shape[1]]  # the latent's tokens (the pipeline's noise_pred[:, : latents.size(1)])
 
     def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...], guidance: Guidance | None = None) -> Tensor:
         """v(z, t) on packed latents ``[n, S, 4C]``, ``t`` [n] in [0, 1] (the pipeline's ``timestep / 1000``).
@@ -199,10 +215,11 @@ class QwenImagePolicy(Policy):
         branches, the combination in float32 (float64 when ``z`` is)."""
         guidance = guidance or self.guidance()
         if not self.cfg(guidance):
-            pe, mask = cond
-            return self._forward(z, t, pe, mask)
-        pe, mask, neg, neg_mask = cond
-        out = self._forward(torch.cat([z, z]), torch.cat([t, t]), torch.cat([pe, neg]), torch.cat([mask, neg_mask]))
+            pe, mask, *extra = cond
+            return self._forward(z, t, pe, mask, tuple(extra))
+        pe, mask, neg, neg_mask, *extra = cond
+        out = self._forward(torch.cat([z, z]), torch.cat([t, t]), torch.cat([pe, neg]), torch.cat([mask, neg_mask]),
+                            tuple(torch.cat([e, e]) for e in extra))
         v_c, v_u = out.to(torch.promote_types(z.dtype, torch.float32)).chunk(2)
         v = v_u + guidance.scale * (v_c - v_u)
         norm = torch.linalg.vector_norm

@@ -3,27 +3,48 @@
 The JPEG rewards need no weights, the digits reward ships its own and the OCR reward uses the models inside
 its wheel; they are registered by name. Model-based rewards take local paths and are configured by
 ``class_path`` (they import their heavy dependencies only when built), as is :class:`RemoteReward`, a
-reward scored by a ``jagg serve-reward`` server.
+reward scored by a ``jagg serve-reward`` server. :class:`EditFidelity` and :class:`FirstFrameConsistency` read the
+condition images conditioned prompts carry (image editing, image-to-video).
+
+The names below are imported on first use (PEP 562): ``jagg serve-reward --help`` imports no torch.
 """
 
-from jagg_lightning.rewards.aesthetic import AestheticReward
-from jagg_lightning.rewards.base import Reward, check_images, to_pil
-from jagg_lightning.rewards.clipscore import CLIPScoreReward
-from jagg_lightning.rewards.digits import DigitReward
-from jagg_lightning.rewards.hpsv2 import HPSv2Reward
-from jagg_lightning.rewards.jpeg import JpegCompressibility, JpegIncompressibility
-from jagg_lightning.rewards.monitor import MONITOR_PREFIX, MonitoredReward
-from jagg_lightning.rewards.ocr import OcrReward
-from jagg_lightning.rewards.pickscore import PickScoreReward
-from jagg_lightning.rewards.registry import REWARD_CLASSES, build_reward, describe_reward, reward_class
-from jagg_lightning.rewards.remote import RemoteReward
-from jagg_lightning.rewards.video import FrameReward, TemporalConsistency
-from jagg_lightning.rewards.weighted import WeightedReward, component_weights
+import importlib
 
-REWARDS: dict[str, type[Reward]] = {name: reward_class(name) for name in REWARD_CLASSES}
+# public name -> the module defining it
+_PUBLIC = {
+    "AestheticReward": "aesthetic", "CallableReward": "base", "Reward": "base", "check_images": "base", "to_pil": "base",
+    "CLIPScoreReward": "clipscore", "EditFidelity": "conditioned", "FirstFrameConsistency": "conditioned",
+    "DigitReward": "digits", "HPSv2Reward": "hpsv2",
+    "JpegCompressibility": "jpeg", "JpegIncompressibility": "jpeg", "MONITOR_PREFIX": "monitor",
+    "MonitoredReward": "monitor", "OcrReward": "ocr", "PickScoreReward": "pickscore",
+    "REWARD_CLASSES": "registry", "build_reward": "registry", "describe_reward": "registry",
+    "reward_class": "registry", "RemoteReward": "remote", "FrameReward": "video", "TemporalConsistency": "video",
+    "WeightedReward": "weighted", "component_weights": "weighted",
+}
+
+__all__ = sorted([*_PUBLIC, "REWARDS"])
 
 
-__all__ = ["REWARDS", "AestheticReward", "CLIPScoreReward", "DigitReward", "FrameReward", "HPSv2Reward",
-           "JpegCompressibility", "JpegIncompressibility", "MONITOR_PREFIX", "MonitoredReward", "OcrReward",
-           "PickScoreReward", "REWARD_CLASSES", "RemoteReward", "Reward", "TemporalConsistency", "WeightedReward",
-           "build_reward", "check_images", "component_weights", "describe_reward", "reward_class", "to_pil"]
+def __getattr__(name: str):
+    if name == "REWARDS":  # registered name -> class (imports every registered reward's module)
+        from jagg_lightning.rewards.registry import REWARD_CLASSES, reward_class
+
+        value = {n: reward_class(n) for n in REWARD_CLASSES}
+    elif name in _PUBLIC:
+        value = getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def import_all() -> None:
+    """Import every reward above: the CLI does, so that jsonargparse knows each ``Reward`` subclass (``jagg fit
+    --help`` lists them; a config's ``class_path`` resolves among them)."""
+    for name in _PUBLIC:
+        __getattr__(name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -133,3 +133,41 @@ class Reward(nn.Module):
         """The total and every component by name (a single reward is its own component)."""
         total = self(images, prompts)
         return total, {self.name: total}
+
+
+def callable_name(fn) -> str:
+    """A reward name for a plain callable: its function's ``__name__`` (a ``functools.partial``'s function's, a
+    callable object's class name), reduced to letters, digits, ``_ . -`` (a lambda's ``<lambda>`` is ``lambda``)."""
+    import re
+
+    name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", None) or type(fn).__name__
+    return re.sub(r"[^0-9A-Za-z_.-]+", "", name) or "reward"
+
+
+class CallableReward(Reward):
+    """A plain callable ``fn(images, prompts) -> scores`` as a :class:`Reward` (``JAGGModule(reward=fn)`` wraps
+    it): named after the function (:func:`callable_name`, or ``name``), checked like every reward (images
+    [B, 3, H, W] in [0, 1], one finite-or-flagged score per image), scored under ``torch.no_grad``. ``fn`` may
+    return a tensor, an array or a list of numbers. Frozen like the other rewards: an ``nn.Module`` given as
+    ``fn`` is a submodule, its parameters ``requires_grad_(False)`` and in eval mode; a function's closure is not
+    a submodule, so weights it closes over are never trained, saved in a checkpoint or seen by DDP either. Not
+    recorded in the hyper-parameters (a function is not plain data): pass ``reward=`` again to
+    ``load_from_checkpoint``."""
+
+    def __init__(self, fn, name: str | None = None):
+        super().__init__()
+        if isinstance(fn, Reward) or not callable(fn):
+            raise TypeError(f"CallableReward wraps a callable fn(images, prompts) -> scores, got {type(fn).__name__}")
+        self.fn = fn
+        self.name = name or callable_name(fn)
+        self.freeze()
+
+    def score(self, images: Tensor, prompts: list[str]) -> Tensor:
+        scores = self.fn(images, prompts)
+        if isinstance(scores, Tensor):
+            return scores.detach()
+        return torch.as_tensor(np.asarray(scores, dtype=np.float32))
+
+    def describe(self) -> dict:
+        return {"class_path": f"{type(self).__module__}.{type(self).__qualname__}",
+                "not_rebuildable": f"reward {self.name!r} is a plain callable (not plain data): pass reward=... again"}

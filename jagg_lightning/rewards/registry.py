@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from jagg_lightning.rewards.base import Reward
+from jagg_lightning.rewards.base import CallableReward, Reward
 
 # name -> class path of the rewards that need no arguments (model-based rewards are configured by class_path)
 REWARD_CLASSES = {
@@ -26,13 +26,16 @@ def reward_class(name: str) -> type[Reward]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def build_reward(reward: str | Reward | dict) -> Reward:
-    """A reward by registered name, the given instance, or rebuilt from :meth:`Reward.describe`'s record
-    (``{"class_path", "init_args"}``); unknown names fail with the allowed ones."""
+def build_reward(reward) -> Reward:
+    """A reward by registered name, the given instance, a plain callable ``fn(images, prompts) -> scores``
+    (wrapped: :class:`~jagg_lightning.rewards.base.CallableReward`), or rebuilt from :meth:`Reward.describe`'s
+    record (``{"class_path", "init_args"}``); unknown names fail with the allowed ones."""
     if isinstance(reward, Reward):
         return reward
     if isinstance(reward, dict):
         return _rebuild(reward)
+    if callable(reward) and not isinstance(reward, (str, type)):
+        return CallableReward(reward)
     if reward not in REWARD_CLASSES:
         raise ValueError(f"reward must be one of {sorted(REWARD_CLASSES)} (or a Reward class_path), got {reward!r}")
     return reward_class(reward)()

@@ -31,6 +31,8 @@ and a GPU gains nothing from interleaving; each request gets its own answer.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import ctypes
 import gc
 import hmac
@@ -38,12 +40,15 @@ import importlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
 
-from jagg_lightning.rewards.registry import REWARD_CLASSES, build_reward, reward_class
-from jagg_lightning.rewards.wire import MAX_PIXELS, WireError, decode, from_uint8
+from jagg_lightning.rewards.wire import MAX_PIXELS, WireError, decode, from_uint8  # numpy; torch when decoding
+
+# the reward registry (torch) is imported when a reward is built: ``jagg serve-reward --help`` imports no torch
+from jagg_lightning.strict_args import StrictParser
 
 log = logging.getLogger("jagg.serve_reward")
 LARGE_REQUEST = 16 << 20  # bytes of body or decoded pixels after which the freed memory is handed back
@@ -165,6 +170,8 @@ def build_app(reward, token: str | None = None, max_body_bytes: int = 256 << 20,
 
 def build_served_reward(reward: str, init_args: dict):
     """A registered name, or a class_path the operator named (so its module is imported: they chose it)."""
+    from jagg_lightning.rewards.registry import REWARD_CLASSES, build_reward, reward_class
+
     if reward in REWARD_CLASSES:
         return reward_class(reward)(**init_args)
     module_name, _, _ = reward.rpartition(".")
@@ -178,7 +185,7 @@ def build_served_reward(reward: str, init_args: dict):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jagg serve-reward", description="Serve a reward over HTTP (docs/rewards.md).")
+    p = StrictParser(prog="jagg serve-reward", description="Serve a reward over HTTP (docs/rewards.md).")
     p.add_argument("--reward", required=True, help="a registered name (e.g. ocr) or a Reward class_path")
     p.add_argument("--init_args", default="{}", help="the reward's constructor arguments as a JSON object")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -229,8 +236,10 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_main(argv: list[str]) -> int:
-    """Entry point of ``jagg serve-reward``; returns the exit status."""
+def serve_main(argv: list[str], prepare=None) -> int:
+    """Entry point of ``jagg serve-reward``; returns the exit status. ``prepare`` (the console's quiet defaults and
+    CPU threads) is called once the arguments are parsed, before the reward is built. SIGINT (Ctrl-C) or SIGTERM: a
+    graceful shutdown (requests still open after 5 s are cancelled), one line, exit status 128 + the signal."""
     args = parser().parse_args(argv)
     try:
         init_args, token = _check(args)
@@ -243,6 +252,8 @@ def serve_main(argv: list[str]) -> int:
     except ValueError as err:
         print(f"jagg serve-reward: error: {err}", file=sys.stderr)
         return 2
+    if prepare is not None:
+        prepare()
     try:
         reward = build_served_reward(args.reward, init_args).to(args.device)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as err:
@@ -264,5 +275,61 @@ def serve_main(argv: list[str]) -> int:
     print(f"jagg serve-reward: {reward.name} on {url}", flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             limit_concurrency=args.max_concurrency + 16, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
-    return 0
+    server = _server_class(uvicorn)(config)
+    shutdown_log = _ShutdownLog()
+    logging.getLogger("uvicorn.error").addFilter(shutdown_log)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        logging.getLogger("uvicorn.error").removeFilter(shutdown_log)
+    if server.stopped_by is None:
+        return 0
+    cancelled = f", {shutdown_log.cancelled} request(s) still open cancelled" if shutdown_log.cancelled else ""
+    name = "SIGINT (Ctrl-C)" if server.stopped_by == signal.SIGINT else signal.Signals(server.stopped_by).name
+    print(f"jagg serve-reward: stopped by {name}{cancelled}, exit status {128 + server.stopped_by}", file=sys.stderr,
+          flush=True)
+    return 128 + server.stopped_by
+
+
+class _ShutdownLog(logging.Filter):
+    """uvicorn's shutdown records, counted instead of printed: the requests still open when the graceful shutdown
+    ran out (5 s) are cancelled, and each would print a ``CancelledError`` traceback."""
+
+    def __init__(self):
+        super().__init__()
+        self.cancelled = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, asyncio.CancelledError):
+            self.cancelled += 1
+            return False
+        return not str(record.msg).startswith("Cancel %s running task(s)")
+
+
+def _server_class(uvicorn):
+    """uvicorn's Server, stopping on SIGINT / SIGTERM as it does (a graceful shutdown; a second Ctrl-C forces it),
+    without re-raising the signal inside its event loop afterwards: that cancels the requests still open, each with a
+    traceback, and ends in a ``KeyboardInterrupt`` one. The signal is kept in ``stopped_by`` for :func:`serve_main`."""
+
+    class Server(uvicorn.Server):
+        stopped_by: int | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            self.stopped_by = self.stopped_by or int(sig)
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server

@@ -24,9 +24,12 @@ import io
 import json
 import struct
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
-from torch import Tensor
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the server's argument parser needs none
+    from torch import Tensor
 
 SAFETENSORS = "application/vnd.safetensors"
 JSON = "application/json"
@@ -50,6 +53,8 @@ def to_uint8(images: Tensor) -> np.ndarray:
 
 def from_uint8(array: np.ndarray) -> Tensor:
     """uint8 [B, H, W, 3] -> float32 [B, 3, H, W] in [0, 1]: what the served reward scores."""
+    import torch
+
     return torch.from_numpy(np.ascontiguousarray(array)).permute(0, 3, 1, 2).float().div(255)
 
 

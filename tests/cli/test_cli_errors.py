@@ -1,12 +1,12 @@
 """One error style (issue 18): every bad value the CLI can see is ONE `jagg: error:` line, exit status 2, naming the
-field as the user wrote it and what is allowed -- no traceback, no usage dump. Real subprocesses of `jagg`."""
+field as the user wrote it and what is allowed -- no traceback, no usage dump. The console entry point run in this
+process (its file descriptors captured), and a few cases as real subprocesses of `jagg`."""
 
 import os
 import random
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,8 @@ import torch
 import yaml
 
 from jagg_lightning.quiet import unexpected_lines
+
+from in_process import jagg_in_process
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
@@ -78,41 +80,41 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def case_runs(tmp_path_factory) -> dict:
-    """Every case's `jagg` subprocess, two at a time (each is mostly import time on one core)."""
-    folders = {case: tmp_path_factory.mktemp(case) for case in CASES}  # here, before the threads share the factory
-
-    def run(case):
-        subcommand, extra, _ = CASES[case]
-        tmp = folders[case]
-        return case, jagg(subcommand, "--config", DIGITS, *[str(a).replace("{tmp}", str(tmp)) for a in extra], cwd=tmp)
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(run, sorted(CASES)))
+def run_case(case, tmp_path, run):
+    subcommand, extra, _ = CASES[case]
+    return run(subcommand, "--config", DIGITS, *[str(a).replace("{tmp}", str(tmp_path)) for a in extra], cwd=tmp_path)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_value_is_one_line_naming_the_field(case, case_runs):
-    line = one_error_line(case_runs[case])
+def test_bad_value_is_one_line_naming_the_field(case, tmp_path, capfd, monkeypatch):
+    proc = run_case(case, tmp_path, lambda *a, cwd: jagg_in_process(*a, cwd=cwd, capfd=capfd, monkeypatch=monkeypatch))
+    line = one_error_line(proc)
     assert re.search(CASES[case][2], line), line
 
 
-def test_yaml_typo_names_the_file_line_and_the_closest_key(tmp_path):
+@pytest.mark.parametrize("case", ["cli_typo", "model_range"])
+def test_bad_value_is_one_line_from_a_real_jagg_process(case, tmp_path):
+    """The same as a subprocess of `jagg` (a parse error, and one found while the objects are built)."""
+    line = one_error_line(run_case(case, tmp_path, jagg))
+    assert re.search(CASES[case][2], line), line
+
+
+def test_yaml_typo_names_the_file_line_and_the_closest_key(tmp_path, capfd, monkeypatch):
     path, line_number = typo_config(tmp_path)
-    line = one_error_line(jagg("fit", "--config", path, cwd=tmp_path))
+    line = one_error_line(jagg_in_process("fit", "--config", path, cwd=tmp_path, capfd=capfd, monkeypatch=monkeypatch))
     assert line == (f"jagg: error: {path} line {line_number}: model.jagg.windw_size is not a setting; did you mean "
                     "model.jagg.window_size?")
 
 
 @pytest.mark.parametrize("subcommand,field", [("validate", "data.val_prompts"), ("predict", "data.predict_prompts")])
-def test_evaluation_without_prompts_is_named(subcommand, field, tmp_path):
-    line = one_error_line(jagg(subcommand, "--config", TINY, cwd=tmp_path))
+def test_evaluation_without_prompts_is_named(subcommand, field, tmp_path, capfd, monkeypatch):
+    line = one_error_line(jagg_in_process(subcommand, "--config", TINY, cwd=tmp_path, capfd=capfd,
+                                          monkeypatch=monkeypatch))
     assert f"jagg: error: {field}: jagg {subcommand} needs" in line
 
 
 @pytest.mark.parametrize("kind", ["random_bytes", "text", "truncated", "not_lightning"])
-def test_a_file_that_is_not_a_checkpoint_names_ckpt_path(kind, tmp_path):
+def test_a_file_that_is_not_a_checkpoint_names_ckpt_path(kind, tmp_path, capfd, monkeypatch):
     path = tmp_path / f"{kind}.ckpt"
     rng = random.Random()
     if kind == "random_bytes":
@@ -125,12 +127,15 @@ def test_a_file_that_is_not_a_checkpoint_names_ckpt_path(kind, tmp_path):
         if kind == "truncated":
             data = path.read_bytes()
             path.write_bytes(data[: rng.randrange(len(data) // 4, 3 * len(data) // 4)])
-    line = one_error_line(jagg("validate", "--config", DIGITS, "--ckpt_path", path, cwd=tmp_path))
+    line = one_error_line(jagg_in_process("validate", "--config", DIGITS, "--ckpt_path", path, cwd=tmp_path, capfd=capfd,
+                                          monkeypatch=monkeypatch))
     assert f"ckpt_path: '{path}' is not a" in line, line
 
 
-def test_resume_refuses_an_override_and_another_adapters_checkpoint(tmp_path):
-    """policy.lora_alpha 64 is the default; the checkpoint was trained with 16: refused by name, not ignored."""
+def test_resume_refuses_an_override_and_another_adapters_checkpoint(tmp_path, capfd, monkeypatch):
+    """policy.lora_alpha 64 is the default; the checkpoint was trained with 16: refused by name, not ignored.
+    Every command runs the console entry point in this process (its exit status and one line are what is read;
+    test_bad_value_is_one_line_from_a_real_jagg_process and test_first_hour read real `jagg` processes' stderr)."""
     config = yaml.safe_load(TINY.read_text())
     config["trainer"] |= {"max_steps": 1, "enable_checkpointing": True, "callbacks": None, "logger": False,
                           "enable_progress_bar": False, "default_root_dir": str(tmp_path)}
@@ -141,22 +146,26 @@ def test_resume_refuses_an_override_and_another_adapters_checkpoint(tmp_path):
     config["lora_export"] = {"dirpath": str(tmp_path / "lora")}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = jagg("fit", "--config", path, cwd=tmp_path)
+
+    def here(*args):
+        return jagg_in_process(*args, cwd=tmp_path, capfd=capfd, monkeypatch=monkeypatch)
+
+    proc = here("fit", "--config", path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [ckpt] = (tmp_path / "checkpoints").glob("*.ckpt")
-    line = one_error_line(jagg("fit", "--config", path, "--ckpt_path", ckpt, "--trainer.max_steps", 2,
-                               "--model.policy.lora_alpha", 64, cwd=tmp_path))
+    line = one_error_line(here("fit", "--config", path, "--ckpt_path", ckpt, "--trainer.max_steps", 2,
+                               "--model.policy.lora_alpha", 64))
     assert "model.policy.lora_alpha: checkpoint 16.0, given 64.0" in line, line
 
     # a checkpoint of another adapter (tiny's, evaluated on the digits model): one line naming ckpt_path, whether
     # the checkpoint's recorded settings tell (before any model is built) or only its weights do (hyper-parameters gone)
-    line = one_error_line(jagg("validate", "--config", DIGITS, "--ckpt_path", ckpt, cwd=tmp_path))
+    line = one_error_line(here("validate", "--config", DIGITS, "--ckpt_path", ckpt))
     assert f"--ckpt_path {ckpt}: the checkpoint was trained with other model settings" in line
     assert "model.policy.pretrained: checkpoint None, given 'digits'" in line, line
     bare = torch.load(ckpt, weights_only=True)
     del bare["hyper_parameters"]
     torch.save(bare, tmp_path / "bare.ckpt")
-    line = one_error_line(jagg("validate", "--config", DIGITS, "--ckpt_path", tmp_path / "bare.ckpt", cwd=tmp_path))
+    line = one_error_line(here("validate", "--config", DIGITS, "--ckpt_path", tmp_path / "bare.ckpt"))
     assert f"ckpt_path {tmp_path / 'bare.ckpt'}: the checkpoint's adapter does not match" in line, line
 
 

@@ -107,6 +107,10 @@ def no_model(monkeypatch):
     (["--model.policy.resolution", "[480, 0]"], "policy.resolution must be [height, width]"),
     (["--model.jagg.window_size", "12"], "model.jagg.window_size must be <= model.sampling.trained_steps"),
     (["--model.evaluation.num_steps", "0"], "evaluation.num_steps must be >= 1"),
+    (["--model.sampling.ode_solver", "heun"], "sampling.ode_solver must be 'euler' or 'dpmpp_2m'"),
+    (["--model.sampling.ode_steps", "3"], "sampling.ode_steps must be null unless model.sampling.ode_after_trained true"),
+    (["--model.sampling.ode_after_trained", "true", "--model.sampling.trained_steps", "4", "--model.sampling.ode_steps",
+      "0"], "sampling.ode_steps must be in [1, 6]"),
     (["--data.prompts", "a cat"], "data.prompts must be a list of strings"),
     (["--data.prompts", "['a cat', '  ']"], "data.prompts[1] must be a non-blank string"),
     (["--trainer.precision", "bf16-true"], "model.policy.dtype must be 'bfloat16' with trainer.precision bf16-true"),
@@ -168,9 +172,10 @@ def test_fit_validates_logs_every_component_and_images_to_tensorboard(cli_run):
     assert float(metrics["val/reward_mean"]) == pytest.approx(float(metrics["val/reward/jpeg_compressibility"]))
     grids = sorted((Path(cli.trainer.log_dir) / "samples").glob("val_step_*.png"))
     assert grids
-    with Image.open(grids[-1]) as img:
+    assert grids[-1].name == f"val_step_{cli.trainer.global_step:06d}.png"
+    with Image.open(grids[-1]) as img:  # grid_prompts 2, one sample each: upscaled to 96 px at least, labelled
         height, width = cli.model.policy.resolution
-        assert img.size == (width, 2 * height)  # grid_prompts 2, one sample each
+        assert img.size[0] > width * 96 // height and img.size[1] > 2 * 96
     events = EventAccumulator(str(cli.trainer.log_dir), size_guidance={"images": 0}).Reload()
     assert {"val/samples", "routing"} <= set(events.Tags()["images"]), events.Tags()["images"]
     own = cli.trainer.loggers[1].images  # and any other logger that takes images
@@ -284,7 +289,8 @@ class FailsOnSecondCall(Reward):
         return images.mean((1, 2, 3))
 
 
-def test_failing_reward_is_named_and_plain_string_loader_is_explained(rng_seed):
+def test_failing_reward_is_named_and_a_loader_without_prompts_is_explained(rng_seed):
+    """(A loader of plain prompt strings is accepted: tests/training/test_drop_in.py.)"""
     seed = rng_seed % 10_000
     reward = WeightedReward([JpegCompressibility(), FailsOnSecondCall()])
     module = JAGGModule(tiny_policy_config(), SamplingConfig(num_steps=4, group_size=2, rollout_batch_size=2),
@@ -293,9 +299,10 @@ def test_failing_reward_is_named_and_plain_string_loader_is_explained(rng_seed):
                         enable_checkpointing=False, enable_model_summary=False)
     with pytest.raises(RuntimeError, match=r"reward flaky_scorer \(FailsOnSecondCall\) failed: OSError: scorer server"):
         trainer.fit(module, PromptDataModule(prompts=PROMPTS[:2], batch_size=2))
-    with pytest.raises(TypeError, match=r"batches must be dicts \{'prompt': \[str\], 'index': \[int\]\}.*a list of strings"):
+    with pytest.raises(TypeError, match=r"batches must be prompt strings or dicts \{'prompt': \[str\], 'index': "
+                                        r"\[int\]\}.*got Tensor"):
         L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                  enable_model_summary=False).fit(module, DataLoader(["a cat", "a dog"], batch_size=2))
+                  enable_model_summary=False).fit(module, DataLoader([3, 4], batch_size=2))
 
 
 @pytest.mark.parametrize("build,field", [

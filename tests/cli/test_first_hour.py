@@ -1,5 +1,7 @@
 """A newcomer's first hour (issue 18), as subprocesses of the real `jagg` CLI: the main job from another working
-directory, then its exported adapter evaluated and sampled, in PEFT and diffusers format."""
+directory, then its exported adapter evaluated and sampled, in PEFT and diffusers format. Every command whose whole
+stderr is checked (no warning a user cannot act on) is a real `jagg` process; the two that are read only for what
+they wrote and printed (base-model sampling, a fit started from the adapter) run in this process."""
 
 import csv
 import os
@@ -11,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from jagg_lightning.quiet import unexpected_lines
+
+from in_process import jagg_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "configs" / "digits.yaml"
@@ -81,6 +85,7 @@ def test_validate_an_exported_adapter_reproduces_what_fit_logged(digits_fit, par
                     "--trainer.logger", "false", cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "untrained base model" not in proc.stderr
+    assert unexpected_lines(proc.stderr) == []  # a documented command prints no warning a user cannot act on
     reward = table_value(proc.stdout, "val/digit_reward")
     accuracy = table_value(proc.stdout, "val/digit_accuracy")
     final, base = evals[-1], evals[0]
@@ -93,29 +98,35 @@ def test_validate_an_exported_adapter_reproduces_what_fit_logged(digits_fit, par
 
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_predict_with_an_adapter_says_what_it_wrote_and_base_sampling_is_announced(digits_fit, tmp_path):
+def test_predict_with_an_adapter_says_what_it_wrote_and_base_sampling_is_announced(digits_fit, tmp_path, capfd,
+                                                                                      monkeypatch):
     cwd, _, _ = digits_fit
     proc = jagg(*readme_commands()["predict"], cwd=cwd)  # README's command as written
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = sorted((cwd / "outputs/digits/predictions").glob("*.png"))
+    assert unexpected_lines(proc.stderr) == []  # a documented command prints no warning a user cannot act on
     assert len(files) == 30  # the 30 held-out prompts, one sample each
-    assert "wrote 30 images to outputs/digits/predictions/" in proc.stdout
+    assert "wrote 30 images (PNG: p00000_s00.png … p00029_s00.png) to outputs/digits/predictions/" in proc.stdout
     assert "untrained base model" not in proc.stderr
-    base = jagg("predict", "--config", DIGITS, "--trainer.default_root_dir", tmp_path / "base",
-                "--data.predict_prompts", "[a handwritten seven]", cwd=cwd)
+    # what it prints and writes is all that is read: the base model's sampling runs in this process
+    base = jagg_in_process("predict", "--config", DIGITS, "--trainer.default_root_dir", tmp_path / "base",
+                           "--data.predict_prompts", "[a handwritten seven]", cwd=cwd, capfd=capfd,
+                           monkeypatch=monkeypatch)
     assert base.returncode == 0, base.stderr[-3000:]
     assert "no --ckpt_path and no --model.policy.adapter: sampling the untrained base model" in base.stderr
-    assert "wrote 1 images" in base.stdout
+    assert "wrote 1 image (PNG: p00000_s00.png)" in base.stdout
 
 
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_training_can_start_from_an_adapter(digits_fit, tmp_path):
-    """The adapter's weights are the starting point: step 0's held-out evaluation equals the adapter's."""
+def test_training_can_start_from_an_adapter(digits_fit, tmp_path, capfd, monkeypatch):
+    """The adapter's weights are the starting point: step 0's held-out evaluation equals the adapter's. (The fit's
+    log is what is read: it runs in this process.)"""
     cwd, evals, _ = digits_fit
-    proc = jagg("fit", "--config", DIGITS, "--model.policy.adapter", cwd / "outputs/digits/lora/final/diffusers",
-                "--trainer.max_steps", 1, "--trainer.default_root_dir", tmp_path, "--trainer.logger.init_args.save_dir",
-                tmp_path, "--lora_export.dirpath", tmp_path / "lora", cwd=cwd)
+    proc = jagg_in_process("fit", "--config", DIGITS, "--model.policy.adapter",
+                           cwd / "outputs/digits/lora/final/diffusers", "--trainer.max_steps", 1,
+                           "--trainer.default_root_dir", tmp_path, "--trainer.logger.init_args.save_dir", tmp_path,
+                           "--lora_export.dirpath", tmp_path / "lora", cwd=cwd, capfd=capfd, monkeypatch=monkeypatch)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(open(tmp_path / "lightning_logs/version_0/metrics.csv")))
     first = next(r for r in rows if r.get("val/digit_reward"))
@@ -125,9 +136,10 @@ def test_training_can_start_from_an_adapter(digits_fit, tmp_path):
 
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_readme_python_snippets_run_as_written(digits_fit, tmp_path, monkeypatch):
+def test_readme_python_snippets_run_as_written(digits_fit, tmp_path, monkeypatch, capfd):
     """README's drop-in snippet (max_steps shortened to 1) and its diffusers / peft loading snippet, on the
-    adapter the main job exported."""
+    adapter the main job exported: the loading prints nothing a user cannot act on, and both routes give the same
+    merged transformer."""
     import torch
 
     train, load = readme_blocks("python")
@@ -140,7 +152,10 @@ def test_readme_python_snippets_run_as_written(digits_fit, tmp_path, monkeypatch
     cwd, _, _ = digits_fit
     monkeypatch.chdir(cwd)
     scope = {}
+    capfd.readouterr()
     exec(compile(load, "README.md (loading)", "exec"), scope)
+    stderr = capfd.readouterr().err  # the pipeline's own sampling bar (tqdm) is fine; a warning is not
+    assert [line for line in unexpected_lines(stderr) if not re.match(r"^\s*\d+%\|", line)] == []
     [image] = scope["images"]
     assert image.size == (32, 32)
     # the peft-merged transformer carries the trained adapter: its weights differ from the shipped base
@@ -151,6 +166,10 @@ def test_readme_python_snippets_run_as_written(digits_fit, tmp_path, monkeypatch
     merged = scope["transformer"]
     name = "transformer_blocks.0.attn.to_q.weight"
     assert not torch.equal(dict(merged.named_parameters())[name], dict(base.named_parameters())[name])
+    fused = dict(scope["pipe"].transformer.named_parameters())  # the diffusers route, fused: the same weights
+    for key, value in merged.named_parameters():
+        owner, leaf = key.rsplit(".", 1)  # a LoRA-wrapped layer keeps its fused weights as base_layer.*
+        torch.testing.assert_close(fused.get(key, fused.get(f"{owner}.base_layer.{leaf}")), value)
 
 
 def test_configuration_page_lists_every_registered_reward_and_callback():

@@ -35,10 +35,33 @@ REFERENCE = {
                          "guidance_scale": 4.0, "kl_beta": 0.0, "clip_range": 1e-4, "adv_std": "group", "group_size": 16,
                          "dtype": "bfloat16", "precision": "bf16-true", "sde_window_size": 3,
                          "sde_window_range": [1, 4], "window_size": 3},
+    # Flow-Factory's FLUX.2 [dev] LoRA recipe (examples/grpo/lora/flux2/t2i.yaml): embedded guidance 4
+    "flux2_dev.yaml": {"family": "flux2_dev", "num_steps": 8, "noise_level": 1.0, "lora_rank": 64, "lora_alpha": 128,
+                       "guidance_scale": 4.0, "eval_guidance_scale": 4.0, "kl_beta": 0.0, "clip_range": 1e-4,
+                       "adv_std": "group", "group_size": 16, "dtype": "bfloat16", "precision": "bf16-true",
+                       "sde_window_size": 3, "sde_window_range": [1, 4], "window_size": 3},
     "z_image.yaml": {"family": "z_image", "num_steps": 10, "noise_level": 0.7, "lora_rank": 64, "lora_alpha": 128,
                      "guidance_scale": 5.0, "eval_guidance_scale": 5.0, "kl_beta": 0.0, "clip_range": 1e-4,
                      "adv_std": "group", "group_size": 16, "dtype": "float32", "precision": "bf16-mixed",
                      "sde_window_size": 3, "sde_window_range": [1, 4], "window_size": 3},
+    # Flow-GRPO's counting_flux_kontext
+    "flux_kontext_dev.yaml": {"family": "flux_kontext", "num_steps": 6, "noise_level": 0.9, "lora_rank": 64,
+                              "lora_alpha": 128, "guidance_scale": 2.5, "kl_beta": 0.0, "adv_std": "global",
+                              "group_size": 21, "dtype": "bfloat16", "precision": "bf16-true"},
+    # Flow-GRPO's counting_qwenimage_edit (true CFG 4 with the negative " ")
+    "qwen_image_edit.yaml": {"family": "qwen_image_edit", "num_steps": 10, "noise_level": 1.0, "lora_rank": 64,
+                             "lora_alpha": 128, "guidance_scale": 4.0, "kl_beta": 0.0, "adv_std": "global",
+                             "group_size": 16, "clip_range": 1e-4, "dtype": "bfloat16", "precision": "bf16-true"},
+    # Wan's own image-to-video sampling (Wan2.1 generate.py i2v at 480P; Wan2.2 wan_ti2v_5B.py) with DanceGRPO's GRPO
+    "wan21_i2v_14b.yaml": {"family": "wan_i2v", "num_steps": 40, "noise_level": 0.7, "lora_rank": 64, "lora_alpha": 128,
+                           "guidance_scale": 5.0, "kl_beta": 0.04, "adv_std": "group", "group_size": 8,
+                           "dtype": "bfloat16", "precision": "bf16-true", "window_size": 4},
+    "wan22_ti2v_5b.yaml": {"family": "wan22_ti2v", "num_steps": 50, "noise_level": 0.7, "lora_rank": 64,
+                           "lora_alpha": 128, "guidance_scale": 5.0, "kl_beta": 0.04, "adv_std": "group",
+                           "group_size": 8, "dtype": "bfloat16", "precision": "bf16-true", "window_size": 4},
+    # the paper's regime (issue 29): every step trained, W = 5 ("5 -> 2 backward per group")
+    "digits_all_steps.yaml": {"family": "sd3", "num_steps": 10, "noise_level": 0.7, "lora_rank": 8, "lora_alpha": 16,
+                              "guidance_scale": 1.0, "kl_beta": 0.0, "window_size": 5},
     "z_image_turbo.yaml": {"family": "z_image", "num_steps": 6, "guidance_scale": 1.0, "eval_guidance_scale": 1.0,
                            "noise_level": 0.7, "sde_window_size": 3, "sde_window_range": [1, 4], "window_size": 3},
 }

@@ -1,7 +1,8 @@
 """Context parallelism through diffusers' engine, through the CLI on CPU processes (gloo, Ulysses): ``jagg fit`` with
 ``trainer.strategy.context_parallel_size 2`` is the one-process run, float64, on the Wan2.1 and FLUX.1 twins, JAGG
 routed (KL on, global std) and fused, under DDP and FSDP2 -- the same LoRA update after two optimizer steps, the same
-logged metrics and evaluation, the context ranks identical -- and data 2 x context 2 on 4 processes is one process on
+logged metrics and evaluation, the context ranks identical -- on Wan2.2 TI2V too (image-to-video: the first frame's
+latent and its zero timesteps split with the video tokens) -- and data 2 x context 2 on 4 processes is one process on
 twice the prompts. A family without a ``_cp_plan`` (SD3) and ring attention on diffusers' native SDPA are refused
 with one line each.
 
@@ -32,7 +33,12 @@ FAMILIES = {  # preset, the policy and the reward at twin scale in float64
             {"class_path": "jagg_lightning.rewards.FrameReward", "init_args": {"reward": FLOAT64_JPEG, "frames": 3}}),
     "flux": ("flux_tiny.yaml", {"dtype": "float64"}, FLOAT64_JPEG),  # 4 image + 8 text tokens
     "flux2": ("flux2_tiny.yaml", {"dtype": "float64"}, FLOAT64_JPEG),
+    # image-to-video on the shipped edits: the first latent frame is the image's; 64 px: 3 x 2 x 2 = 12 tokens, the
+    # per-token timesteps (0 on the image's frame) split with them
+    "wan22_ti2v": ("wan22_ti2v_tiny.yaml", {"dtype": "float64", "resolution": 64, "num_frames": 9},
+                   {"class_path": "jagg_lightning.rewards.FrameReward", "init_args": {"reward": FLOAT64_JPEG, "frames": 3}}),
 }
+CONDITIONED = {"wan22_ti2v"}  # trained on configs/prompts/edits (prompt + first frame), the others on PROMPTS
 # name -> (family, strategy, model overrides, with evaluation)
 CASES_2 = {
     "wan-routed-fsdp2": ("wan", FSDP2, {"jagg": {"jagg_frac": 0.5}}, True),
@@ -40,6 +46,7 @@ CASES_2 = {
     "flux-routed-ddp": ("flux", DDP, {"jagg": {"jagg_frac": 0.5}}, False),
     "flux-fused-ddp": ("flux", DDP, {"jagg": {"jagg_frac": 1.0, "fused_rollout": True}, "grpo": {"adv_std": "group"}}, False),
     "flux2-routed-ddp": ("flux2", DDP, {"jagg": {"jagg_frac": 0.5}}, False),  # our plan: [seq, 4] position ids
+    "ti2v-routed-ddp": ("wan22_ti2v", DDP, {"jagg": {"jagg_frac": 0.5}}, False),
 }
 CASES_4 = {
     "wan-routed-ddp": ("wan", DDP, {"jagg": {"jagg_frac": 0.5}}, False),
@@ -66,7 +73,8 @@ def case_config(out, name, family, overrides, evaluation, prompts_per_rank, seed
              "jagg": {"window_size": 2} | overrides["jagg"],
              "optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5, "momentum": 0.9}},
              "evaluation": {"num_steps": 3, "grid_prompts": 0}}
-    data = {"prompts": PROMPTS, "prompts_file": None, "batch_size": prompts_per_rank, "shuffle": False}
+    data = ({"prompts": None, "prompts_file": "configs/prompts/edits"} if family in CONDITIONED else
+            {"prompts": PROMPTS, "prompts_file": None}) | {"batch_size": prompts_per_rank, "shuffle": False}
     if evaluation:
         data |= {"val_prompts": PROMPTS, "eval_batch_size": 2}
     trainer = {"max_steps": STEPS, "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
@@ -106,6 +114,8 @@ RANK_SCRIPT = textwrap.dedent('''
             refused[name] = [exit.code, err.getvalue().strip().splitlines()[-1]]
     with open(report, "w") as f:
         json.dump(refused, f)
+    from jagg_lightning.collectives import end_process_group
+    end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
 
 

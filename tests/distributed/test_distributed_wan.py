@@ -91,6 +91,8 @@ RANK_SCRIPT = textwrap.dedent('''
     full = weights(module)
     if trainer.global_rank == 0:
         save_file(full, f"{out}/wan22_full_fsdp.safetensors")
+    from jagg_lightning.collectives import end_process_group
+    end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
 
 

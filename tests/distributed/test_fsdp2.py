@@ -97,6 +97,8 @@ RANK_SCRIPT = textwrap.dedent('''
     # the process group is destroyed at exit while the interpreter is alive (else gloo may abort at shutdown)
     from jagg_lightning import collectives
     assert collectives._CLEANUP_REGISTERED
+    from jagg_lightning.collectives import end_process_group
+    end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
 
 

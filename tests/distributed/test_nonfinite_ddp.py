@@ -48,6 +48,8 @@ RANKS = textwrap.dedent('''
     except NonFiniteError as err:
         record["stop"] = str(err)
     print(json.dumps(record))
+    from jagg_lightning.collectives import end_process_group
+    end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
 
 

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from peft import PeftModel
@@ -35,10 +36,10 @@ def twin_dirs(tmp_path_factory):
     return dirs
 
 
-def fit(module, steps=1):
+def fit(module, prompts=PROMPTS, steps=1):
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, PromptDataModule(prompts=PROMPTS, batch_size=2, shuffle=False))
+    trainer.fit(module, PromptDataModule(prompts=prompts, batch_size=2, shuffle=False))
     return trainer
 
 
@@ -62,8 +63,8 @@ def test_twin_roundtrips_through_from_pretrained(case, twin_dirs, rng_seed):
     gen = torch.Generator().manual_seed(seed)
     z, t = torch.randn(2, *built.latent_shape, generator=gen), torch.rand(2, generator=gen)
     with torch.no_grad():
-        v_built = built.velocity(z, t, built.encode_prompts(PROMPTS))
-        v_loaded = loaded.velocity(z, t, loaded.encode_prompts(PROMPTS))
+        v_built = built.velocity(z, t, built.encode_prompts(case.prompts))
+        v_loaded = loaded.velocity(z, t, loaded.encode_prompts(case.prompts))
     assert v_built.shape == z.shape and v_built.abs().sum() > 0
     assert torch.equal(v_built, v_loaded)
     assert built.resolution == loaded.resolution and torch.equal(built.schedule(6), loaded.schedule(6))
@@ -85,8 +86,8 @@ def test_schedule_equals_the_family_pipeline(case, twin_dirs, num_steps, resolut
     assert policy.resolution == expected
     height, width = policy.resolution
     pipe = case.build(0, torch.float32)
-    pipe(prompt=PROMPTS[:1], num_inference_steps=num_steps, height=height, width=width,
-         output_type="latent", max_sequence_length=4, **case.call_kwargs)
+    pipe(prompt=list(map(str, case.prompts[:1])), num_inference_steps=num_steps, height=height, width=width,
+         output_type="latent", max_sequence_length=4, **case.pipeline_kwargs(case.prompts[:1], height, width))
     times = policy.schedule(num_steps)
     assert times.dtype == torch.float32 and times.shape == (num_steps + 1,) and times[0] == 1 and times[-1] == 0
     assert torch.equal(times, pipe.scheduler.sigmas.float())
@@ -105,11 +106,12 @@ def assert_pipeline_step_is_the_velocity(case, pipe, policy, z, guidance):
         if isinstance(part, torch.nn.Module):
             part.eval()
     with torch.no_grad():
-        v = policy.velocity(z, torch.ones(len(z)), policy.encode_prompts(PROMPTS))
-        # a copy of the prompts: some pipelines (Z-Image) rewrite the list they are given
-        out = pipe(prompt=list(PROMPTS), num_inference_steps=1, latents=layout(z), height=height, width=width,
+        v = policy.velocity(z, torch.ones(len(z)), policy.encode_prompts(case.prompts))
+        # a copy of the prompts (some pipelines, Z-Image, rewrite the list they are given), as plain strings
+        out = pipe(prompt=list(map(str, case.prompts)), num_inference_steps=1, latents=layout(z), height=height, width=width,
                    guidance_scale=case.pipeline_guidance(guidance), output_type="latent",
-                   max_sequence_length=policy.config.max_sequence_length, **case.call_kwargs).images
+                   max_sequence_length=policy.config.max_sequence_length,
+                   **case.pipeline_kwargs(case.prompts, height, width)).images
     # FLUX.2's "latent" output is denormalised and unpatchified: back into the latents= layout
     out = getattr(policy, "latents_from_pipeline_output", lambda x: x)(out)
     assert v.abs().mean() > 0
@@ -142,7 +144,7 @@ def test_bfloat16_weights_keep_the_sde_in_float32(case, twin_dirs, rng_seed):
     m32, m16 = modules
     assert m16.policy.transformer.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in m16.policy.lora_parameters())
-    trajs = [m.sampler.trajectories(PROMPTS, [0, 1], step=0)[0] for m in modules]
+    trajs = [m.sampler.trajectories(case.prompts, [0, 1], step=0)[0] for m in modules]
     t16 = trajs[1]
     assert t16.latents.dtype == t16.log_probs.dtype == t16.velocities.dtype == t16.times.dtype == torch.float32
     assert torch.isfinite(t16.latents).all() and torch.isfinite(t16.log_probs).all()
@@ -151,7 +153,7 @@ def test_bfloat16_weights_keep_the_sde_in_float32(case, twin_dirs, rng_seed):
     v32, v16 = trajs[0].velocities[0], t16.velocities[0]
     assert 0 < float((v16 - v32).norm() / v32.norm()) < 0.15
     before = [p.detach().clone() for p in m16.policy.lora_parameters()]
-    fit(m16)  # a float32 update of the float32 LoRA through the bf16 transformer
+    fit(m16, case.prompts)  # a float32 update of the float32 LoRA through the bf16 transformer
     assert m16.first_update_ratio_deviation == 0.0  # bf16 forwards of the rollout's shapes: bit for bit too
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in m16.policy.lora_parameters())
     assert any(not torch.equal(p, b) for p, b in zip(m16.policy.lora_parameters(), before))
@@ -168,7 +170,7 @@ def test_first_update_ratio_is_one(case, twin_dirs, guided, rng_seed):
     module.policy.transformer.register_forward_pre_hook(
         lambda mod, args, kwargs: rows.append(len(kwargs.get("hidden_states", args[0] if args else None))),
         with_kwargs=True)  # Z-Image's transformer takes a list of samples as its first argument
-    fit(module)
+    fit(module, case.prompts)
     assert set(rows) == {4 * (2 if module.policy.guided else 1)} and len(rows) > module.sampling.num_steps
     # theta = theta_old and the training forwards have the rollout's batch shape: bit for bit, at every step
     assert module.first_update_ratio_deviation == 0.0 and not module.first_update_ratio_off
@@ -189,12 +191,12 @@ def test_update_equals_handwritten_per_step_grpo(case, twin_dirs, jagg_frac, win
     assert module.policy.resolution == (tuple(resolution) if resolution else (32, 32))
     reference = copy.deepcopy(module)
     before = [p.detach().clone() for p in module.policy.lora_parameters()]
-    fit(module)
+    fit(module, case.prompts)
     full = [w for w in module.windows if len(w.steps) == window_size]
     assert full and all(w.routed == bool(jagg_frac) for w in full)
     update = [p.detach() - b for p, b in zip(module.policy.lora_parameters(), before)]
 
-    traj, cond, _, rewards, _ = reference.sampler.rollout_and_score(PROMPTS, [0, 1], step=0, reward=reference.reward_fn)
+    traj, cond, _, rewards, _ = reference.sampler.rollout_and_score(case.prompts, [0, 1], step=0, reward=reference.reward_fn)
     adv = group_advantages(rewards.view(-1, 2)).flatten()
     grads = exact_per_step_gradient(reference.policy, traj, cond, adv, reference.trained_steps)
     expected = [-lr * g for g in grads]
@@ -220,18 +222,24 @@ def test_jagg_fit_writes_an_adapter_the_family_pipeline_loads(case, twin_dirs, t
     detected from its model_index.json, fewer steps, at a non-square size; the family pipeline's load_lora_weights
     reproduces it, its own __call__ at that size included."""
     seed = str(rng_seed % 10_000)
-    args = tiny_fit_args(ROOT / case.tiny_config, seed, twin_dirs[case.name], tmp_path)
+    args = tiny_fit_args(ROOT / case.tiny_config, seed, twin_dirs[case.name], tmp_path, case.prompts_file)
+    if case.source_kwargs:  # an editing family: a sample grid of the folder's test rows, given from the command line
+        args += ["--trainer.callbacks+=jagg_lightning.callbacks.SampleImages", "--trainer.callbacks.prompts_file",
+                 str(ROOT / case.prompts_file), "--trainer.callbacks.every_n_steps", "2",
+                 "--trainer.callbacks.num_steps", "2", "--trainer.callbacks.dirpath", str(tmp_path / "samples")]
     cli = cli_main([*args, "--model.policy.resolution", "[48, 32]"], run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
     policy = cli.model.policy
     assert policy.resolution == (48, 32)
+    if case.source_kwargs:
+        assert_grid_starts_with_the_sources(cli.trainer, policy)
     assert policy.family == case.family and policy.config.guidance_scale > 1  # the config trains with guidance
     assert policy.guided == case.cfg  # SD3.5 / FLUX.2 / Z-Image: CFG; FLUX: embedded guidance, one forward
     final = tmp_path / "lora" / "final"
 
     gen = torch.Generator().manual_seed(int(seed))
     z, t = torch.randn(2, *policy.latent_shape, generator=gen), torch.rand(2, generator=gen)
-    cond = policy.encode_prompts(PROMPTS)
+    cond = policy.encode_prompts(case.prompts)
     pipe = case.build(0, torch.float32)
     with torch.no_grad():
         expected = policy.velocity(z, t, cond)
@@ -249,6 +257,23 @@ def test_jagg_fit_writes_an_adapter_the_family_pipeline_loads(case, twin_dirs, t
         torch.testing.assert_close(policy.velocity(z, t, cond), expected, rtol=1e-5, atol=1e-6)
 
 
+def assert_grid_starts_with_the_sources(trainer, policy):
+    """SampleImages read the test rows of the dataset folder: each row of its grid is source (fitted to the sampled
+    size), base, fine-tuned."""
+    from jagg_lightning.callbacks import SampleImages
+    from jagg_lightning.conditions import condition_images, fit_to
+
+    [samples] = [c for c in trainer.callbacks if isinstance(c, SampleImages)]
+    assert [p.name for p in samples.written] == ["step_000002.png"]
+    assert all(p.images for p in samples.prompts) and samples.last_layout.columns == 3
+    height, width = policy.resolution
+    grid = samples.last_grid
+    assert grid.shape[:2] == (len(samples.prompts) * height, 3 * width)
+    for r, prompt in enumerate(samples.prompts):
+        source = fit_to(condition_images(prompt)[0], height, width).permute(1, 2, 0).numpy()
+        assert np.array_equal(grid[r * height:(r + 1) * height, :width], (source * 255).round().astype(np.uint8))
+
+
 @by_training_case
 def test_gradient_checkpointing_keeps_the_lora_gradient(case, twin_dirs, rng_seed):
     seed = rng_seed % 10_000
@@ -256,7 +281,7 @@ def test_gradient_checkpointing_keeps_the_lora_gradient(case, twin_dirs, rng_see
     randomize_lora_b(policy.transformer, torch.Generator().manual_seed(seed))
     gen = torch.Generator().manual_seed(seed)
     z, t = torch.randn(2, *policy.latent_shape, generator=gen), torch.rand(2, generator=gen)
-    cond = policy.encode_prompts(PROMPTS)
+    cond = policy.encode_prompts(case.prompts)
 
     def gradient():
         policy.transformer.zero_grad(set_to_none=True)

@@ -294,7 +294,7 @@ def test_gradient_checkpointing_keeps_both_experts_gradients(rng_seed):
 
 
 
-def test_sample_videos_and_predictions_are_gifs(twin_dirs, tmp_path, rng_seed):
+def test_sample_videos_and_predictions_are_gifs(twin_dirs, tmp_path, rng_seed, capsys):
     """SampleImages writes the adapter off | on grid of a video family as an animated GIF (also to TensorBoard);
     `jagg predict`'s writer writes one GIF per video; both at the clip's true aspect (a wide 32 x 48 clip)."""
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -307,7 +307,7 @@ def test_sample_videos_and_predictions_are_gifs(twin_dirs, tmp_path, rng_seed):
     samples = SampleImages(prompts=PROMPTS, every_n_steps=1, num_steps=2, dirpath=str(tmp_path / "samples"))
     trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=TensorBoardLogger(str(tmp_path / "tb")),
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[samples, PredictionImages(str(tmp_path / "pred"))])
+                        callbacks=[samples, writer := PredictionImages(str(tmp_path / "pred"))])
     trainer.fit(module, PromptDataModule(prompts=PROMPTS, batch_size=2, shuffle=False))
     gif = Image.open(samples.written[0])
     assert samples.last_grid.shape == (9, 64, 96, 3)  # 9 frames of 2 prompts x off|on at 32 x 48 px
@@ -318,4 +318,8 @@ def test_sample_videos_and_predictions_are_gifs(twin_dirs, tmp_path, rng_seed):
                     return_predictions=False)
     written = sorted((tmp_path / "pred").glob("*.gif"))
     assert len(written) == 2 * module.evaluation.samples_per_prompt and Image.open(written[0]).n_frames == 9
+    assert not list((tmp_path / "pred").glob("*.png"))
+    # the closing line names what is there: videos as GIFs, by the first and last file's name
+    said = f"wrote {len(written)} videos (animated GIF: {written[0].name} … {written[-1].name}) to {tmp_path / 'pred'}/"
+    assert said in capsys.readouterr().out and writer.message().startswith(f"jagg predict: {said}")
     assert Image.open(written[0]).size == (48, 32)  # one video at its own size, width x height

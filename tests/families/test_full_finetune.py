@@ -243,7 +243,7 @@ def test_every_family_trains_in_full_and_exports(case, tmp_path, rng_seed):
                                                                        "guidance_scale": case.guidance[1], "seed": seed}))
     policy = build_policy(config, case.build(seed, torch.bfloat16))
     attach_reference(policy, kl_beta=0.1)
-    cond = policy.encode_prompts(["a cat", "a dog"])
+    cond = policy.encode_prompts(getattr(case, "prompts", ["a cat", "a dog"]))  # an editing family's carry sources
     z = torch.randn(2, *policy.latent_shape, generator=torch.Generator().manual_seed(rng_seed))
     t = torch.tensor([0.8, 0.4])
     v = policy.velocity(z, t, cond)

@@ -1,6 +1,7 @@
 """The family interface: detection, schedules equal to the family pipeline's, construction in configure_model."""
 
 import json
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -94,7 +95,8 @@ def test_load_from_checkpoint_builds_the_policy_and_restores_the_lora(tmp_path, 
     assert any(not torch.equal(dict(fresh.named_parameters())[n], trained[n]) for n in lora)
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "flux2", "qwen_image", "z_image", "wan"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "flux2", "flux2_dev", "qwen_image", "qwen_image_edit", "z_image", "wan",
+                                    "wan22_ti2v"])
 def test_a_resolution_the_family_cannot_take_is_refused_before_any_model_is_built(family, tmp_path, rng_seed):
     """From the saved folder's JSON files alone (the config check, no model), with the multiple diffusers' own pipeline
     implies (its VAE scale factor x the 2x2 patches every family uses), and the same words as the build's check."""
@@ -112,6 +114,29 @@ def test_a_resolution_the_family_cannot_take_is_refused_before_any_model_is_buil
     check_policy(PolicyConfig(pretrained=str(tmp_path), resolution=[multiple * k, multiple]))  # and a good pair
     with pytest.raises(ValueError, match=message):  # the build's own check (a hub id is only checked there)
         build_policy(tiny_policy_config(resolution=bad, family=family, lora_targets=None), pipeline=pipeline)
+    if family != "z_image":  # the built-in twin (pretrained null) too, before it is built (z_image: at its build)
+        with pytest.raises(ValueError, match=message):
+            check_policy(PolicyConfig(family=family, resolution=bad))
+        check_policy(PolicyConfig(family=family, resolution=multiple * k))
     pair = rf"policy\.resolution must be a multiple of {multiple} per side .*got \[{multiple * k}, {bad}\]"
     with pytest.raises(ValueError, match=pair):  # one bad side of [height, width] is enough: the width here
         check_policy(PolicyConfig(pretrained=str(tmp_path), resolution=[multiple * k, bad]))
+
+
+def test_flux2_dev_twin_reads_the_prompt_and_refuses_a_negative_prompt():
+    """FLUX.2 [dev]'s twin: the pipeline's chat template with its system message leaves room in the twin's 64 tokens
+    for every prompt of configs/prompts/tiny.txt (a byte-per-token tokenizer would truncate them all away), so
+    prompts give different conditions; its guidance is embedded, so a negative prompt (never read) is refused."""
+    from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+
+    pipe = FAMILIES["flux2_dev"].policy_class().build_tiny_pipeline(0)
+    prompts = (Path(__file__).resolve().parents[2] / "configs/prompts/tiny.txt").read_text().split("\n")
+    lengths = pipe.tokenizer.apply_chat_template(format_input([p for p in prompts if p], pipe.system_message),
+                                                 tokenize=True, return_dict=True, padding=True)["attention_mask"].sum(1)
+    assert 30 < lengths.min() and lengths.max() <= 64
+    with pytest.raises(ValueError, match=r"policy\.negative_prompt: FLUX\.2 \[dev\]'s guidance is embedded"):
+        build_policy(tiny_policy_config(family="flux2_dev", lora_targets=None, negative_prompt="blurry"), pipeline=pipe)
+    policy = build_policy(tiny_policy_config(family="flux2_dev", lora_targets=None, max_sequence_length=64),
+                          pipeline=pipe)
+    red, blue = policy.encode_prompts(["a red cat", "a blue dog"])[0]
+    assert not policy.guided and red.shape == (64, 3 * 16) and not torch.allclose(red, blue)

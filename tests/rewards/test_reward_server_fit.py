@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from jagg_lightning import JAGGModule
 
 from helpers import TINY_TARGETS
+from in_process import jagg_in_process
 from test_reward_server import start_server, stop
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
@@ -65,7 +66,9 @@ def fit(*args: str, stderr) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=stderr, text=True)
 
 
-def test_killed_server_stops_fit_with_one_line_and_resume_finishes(tmp_path):
+def test_killed_server_stops_fit_with_one_line_and_resume_finishes(tmp_path, capfd, monkeypatch):
+    """The fit whose server is killed is a real `jagg` process; the resume (read for its exit status and what it
+    wrote) runs the console entry point in this process, against a new server process."""
     port = free_port()
     server, url = start_server("--reward", "jpeg_compressibility", port=port)
     cfg, last = config(tmp_path, url), tmp_path / "ckpt" / "last.ckpt"
@@ -101,10 +104,10 @@ def test_killed_server_stops_fit_with_one_line_and_resume_finishes(tmp_path):
     server, again = start_server("--reward", "jpeg_compressibility", port=port)
     assert again == url
     try:
-        with open(tmp_path / "resume.err", "w") as err:
-            code = fit("--config", str(cfg), "--ckpt_path", str(last), stderr=err).wait(timeout=180)
+        resumed = jagg_in_process("fit", "--config", cfg, "--ckpt_path", last, cwd=REPO, capfd=capfd,
+                                  monkeypatch=monkeypatch)
     finally:
         stop(server)
-    assert code == 0, (tmp_path / "resume.err").read_text()[-3000:]
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert torch.load(last, weights_only=True)["global_step"] == MAX_STEPS
     assert (tmp_path / "lora" / "final" / "peft" / "adapter_model.safetensors").is_file()

@@ -1,6 +1,8 @@
 """Rank script of tests/distributed/test_full_finetune_fsdp2.py (launched by ``launch.run_ranks``, one process per rank):
-``python full_ft_ranks.py MODE OUT SEED``. Weights are written by rank 0 as safetensors (whole tensors)."""
+``python full_ft_ranks.py OUT SEED MODE...``, the modes run one after another in the same processes (one launch pays
+the imports once). Weights are written by rank 0 as safetensors (whole tensors)."""
 
+import os
 import sys
 
 import lightning as L
@@ -9,6 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
+from jagg_lightning.collectives import end_process_group
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.policies import PolicyConfig
@@ -68,16 +71,19 @@ def fsdp(**kw):
     return FSDP2Strategy(process_group_backend="gloo", **kw)
 
 
+SINGLE_STEPS = 6  # the one-process reference: snapshots after 2 steps (DDP, bf16's test) and 6 (FSDP2's)
+
+
 def main(mode, out, seed):
     if mode == "single":  # one process, 2 prompts a step (= 2 ranks x 1)
-        steps = int(sys.argv[4])
-        fit(build(seed), "auto", steps, devices=1, batch_size=2, callbacks=[Snapshot(f"{out}/single", [2, steps])])
+        fit(build(seed), "auto", SINGLE_STEPS, devices=1, batch_size=2,
+            callbacks=[Snapshot(f"{out}/single", [2, SINGLE_STEPS])])
     elif mode == "ddp":
         trainer = fit(build(seed), "ddp", 2, callbacks=[Snapshot(f"{out}/ddp", [2])])
         assert float(trainer.callback_metrics["train/passes/grad_all_reduce"]) == 1.0  # one per update
         print("ddp ok")
-    elif mode == "fsdp":  # 6 steps straight with a distributed checkpoint after every step, then 3 + 3
-        checkpoint = ModelCheckpoint(dirpath=f"{out}/ckpt", filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    elif mode == "fsdp":  # 6 steps straight with a distributed checkpoint after step 3 (and 6), then 3 + 3
+        checkpoint = ModelCheckpoint(dirpath=f"{out}/ckpt", filename="{step}", every_n_train_steps=3, save_top_k=-1)
         module = build(seed, ema_decay=0.5)
         fit(module, fsdp(save_distributed_checkpoint=True), 6, callbacks=[checkpoint, Snapshot(f"{out}/fsdp", [2, 3, 6])])
         assert isinstance(module.policy.lora_parameters()[0], DTensor)
@@ -85,12 +91,15 @@ def main(mode, out, seed):
         fit(build(seed, ema_decay=0.5), fsdp(save_distributed_checkpoint=True), 6, ckpt_path=f"{out}/ckpt/step=3.ckpt",
             callbacks=[Snapshot(f"{out}/resumed", [6])])
         print("fsdp ok")
-    elif mode == "reshard":  # the 2-rank checkpoint on this world size
-        fit(build(seed, ema_decay=0.5), fsdp(save_distributed_checkpoint=True), 6, devices=int(sys.argv[4]),
-            batch_size=2 // int(sys.argv[4]), ckpt_path=f"{out}/ckpt/step=3.ckpt", callbacks=[Snapshot(f"{out}/reshard", [6])])
+    elif mode == "reshard":  # the 2-rank checkpoint on this launch's world size
+        world = int(os.environ["WORLD_SIZE"])
+        fit(build(seed, ema_decay=0.5), fsdp(save_distributed_checkpoint=True), 6, devices=world,
+            batch_size=2 // world, ckpt_path=f"{out}/ckpt/step=3.ckpt", callbacks=[Snapshot(f"{out}/reshard", [6])])
         print("reshard ok")
     elif mode == "bf16":
         mixed_precision(seed, out)
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
 
 
 def mixed_precision(seed, out):
@@ -117,4 +126,6 @@ def mixed_precision(seed, out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    for name in sys.argv[3:]:
+        main(name, sys.argv[1], int(sys.argv[2]))
+    end_process_group()  # every rank finished: leave together (collectives.end_process_group)

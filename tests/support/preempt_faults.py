@@ -11,15 +11,17 @@ from jagg_lightning.rewards import JpegCompressibility
 
 
 class SignalingReward(JpegCompressibility):
-    """JPEG compressibility that sends ``signum`` to its own process on its ``at_call``-th call (0-based)."""
+    """JPEG compressibility that sends ``signum`` to its own process on its ``at_call``-th call (0-based), ``times``
+    times in a row (2 x SIGINT: Ctrl-C pressed twice)."""
 
-    def __init__(self, at_call: int = -1, signum: int = int(signal.SIGTERM)):
+    def __init__(self, at_call: int = -1, signum: int = int(signal.SIGTERM), times: int = 1):
         super().__init__()
-        self.at_call, self.signum, self.calls = at_call, signum, 0
+        self.at_call, self.signum, self.times, self.calls = at_call, signum, times, 0
 
     def score(self, images, prompts):
         if self.calls == self.at_call:
-            os.kill(os.getpid(), self.signum)
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
         self.calls += 1
         return super().score(images, prompts)
 
@@ -53,3 +55,11 @@ class SignalAt(L.Callback):
 
     def on_exception(self, trainer, module, exception):
         self.on_train_batch_end(trainer, module, None, None, 0)
+
+
+class InterruptedWhileLoading(JpegCompressibility):
+    """A reward whose construction is cut short by SIGINT (Ctrl-C while a reward model loads)."""
+
+    def __init__(self):
+        super().__init__()
+        os.kill(os.getpid(), signal.SIGINT)

@@ -107,9 +107,14 @@ def test_sample_images_grid_adapter_off_and_on(tmp_path, rng_seed):
         written = np.asarray(img.convert("RGB"))
     scale = -(-96 // height)
     assert written.shape[0] > 3 * height * scale and written.shape[1] > 2 * width * scale
-    rows, cols = written.shape[0], written.shape[1]  # the images sit at the bottom right, whole
-    assert np.array_equal(written[rows - 3 * height * scale:: scale, cols - 2 * width * scale:: scale],
-                          samples.last_grid)
+    layout = samples.last_layout  # each image sits whole in its cell, upscaled
+    assert layout.cell == (height * scale, width * scale)
+    for r in range(3):
+        for c in range(2):
+            x0, y0, x1, y1 = layout.cell_box(r, c)
+            assert np.array_equal(written[y0:y1:scale, x0:x1:scale],
+                                  samples.last_grid[r * height:(r + 1) * height, c * width:(c + 1) * width])
+    assert samples.last_marks.correct is None and len(samples.last_marks.captions) == 3  # JPEG: scores, no frames
     off, on = grid[:, :width], grid[:, width:]
     assert (off - on).abs().mean() > 0.5  # the trained adapter changes the image
     # the off column is the base model: an untrained module with the same base draws the same images
@@ -125,10 +130,16 @@ def test_exactness_warns_about_a_poor_routed_window(rng_seed):
         fit(module, 1, [ExactnessDiagnostics(every_n_steps=1, max_samples=2, min_cosine=1.0)])
 
 
-def test_callback_arguments_are_checked():
+def test_callback_arguments_are_checked(tmp_path):
     with pytest.raises(ValueError, match="every_n_steps must be >= 1"):
         ExactnessDiagnostics(every_n_steps=0)
     with pytest.raises(ValueError, match=r"min_cosine must be in \[-1, 1\]"):
         ExactnessDiagnostics(min_cosine=2.0)
     with pytest.raises(ValueError, match="prompts must not be empty"):
         SampleImages(prompts=[])
+    with pytest.raises(ValueError, match="exactly one of prompts .* and prompts_file"):
+        SampleImages()
+    with pytest.raises(ValueError, match="exactly one of prompts .* and prompts_file"):
+        SampleImages(prompts=["a cat"], prompts_file="configs/prompts/tiny.txt")
+    with pytest.raises(FileNotFoundError, match="no test_metadata.jsonl"):
+        SampleImages(prompts_file=str(tmp_path))  # a folder that is not a dataset

@@ -1,9 +1,11 @@
-"""``policy.compile: repeated_blocks`` on the tiny SD3 twin (real diffusers transformer, peft LoRA, inductor on the
-CPU): a compiled training step's velocities and gradient equal the eager module's on the same trajectory, three
-training steps compile nothing after the first, and checkpoints, resume and the LoRA exports are the eager module's.
+"""``policy.compile: repeated_blocks`` on the tiny SD3 twin (real diffusers transformer, peft LoRA): a compiled
+training step's velocities and gradient equal the eager module's on the same trajectory, three training steps
+compile nothing after the first, and checkpoints, resume and the LoRA exports are the eager module's.
 
-Slow (all but the refusal): inductor compiles each block variant once per process (tens of seconds on a loaded 2-core machine when its
-on-disk cache is cold)."""
+The module compiles its blocks with inductor; here they are compiled again, before their first call, with
+``aot_eager``: the same dynamo graphs, guards, recompilations and AOT-autograd backward, without inductor's code
+generation (about 90-120 s of cold compile per process on this CPU, which CI would pay in every run). Inductor's own
+numerics on every family's twin are measured by ``benchmarks/compile_families.py`` (benchmarks/README.md)."""
 
 import lightning as L
 import pytest
@@ -14,7 +16,7 @@ from safetensors.torch import load_file
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.checks import check_strategy
 from jagg_lightning.callbacks import LoRAExport
-from jagg_lightning.compiling import compile_counts, is_compiled, repeated_blocks
+from jagg_lightning.compiling import compile_counts, compile_policy, is_compiled, repeated_blocks
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.passes import reference_steps
 from jagg_lightning.policies import PolicyConfig
@@ -46,6 +48,7 @@ def make_module(seed, compile=True, fused=False, jagg_frac=1.0, kl_beta=0.0, gui
         seed=seed,
     )
     module.configure_model()
+    compile_policy(module.policy, backend="aot_eager")  # before any call: replaces inductor (the module docstring)
     randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
     return module
 

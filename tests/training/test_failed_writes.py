@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from helpers import TINY_TARGETS
+from in_process import jagg_in_process
 from launch import search_path
 from write_faults import build, checkpoint_of, digests, write
 
@@ -149,7 +150,10 @@ RETENTION = {"top1_and_last": {"save_top_k": 1, "save_last": True},
 @pytest.mark.parametrize("retention, fail", [("top1_and_last", "checkpoint"), ("top2_by_step_and_last", "checkpoint"),
                                              ("last_as_link", "checkpoint"), ("top1_and_last", "adapter")])
 def test_jagg_fit_whose_third_checkpoint_write_fails_keeps_every_kept_checkpoint_and_resumes(retention, fail,
-                                                                                           tmp_path):
+                                                                                           tmp_path, capfd,
+                                                                                           monkeypatch):
+    """The failing fit is a real `jagg` process (its file size limit is the process's); the resume, read only for
+    its exit status and what it wrote, runs the console entry point in this process."""
     root = tmp_path / "run"
     proc = jagg_fit(fit_config(root, RETENTION[retention], fail, steps=4), tmp_path / "fit.yaml")
     assert proc.returncode == 1, proc.stderr[-4000:]
@@ -177,8 +181,9 @@ def test_jagg_fit_whose_third_checkpoint_write_fails_keeps_every_kept_checkpoint
         assert now["lora/last/peft/adapter_model.safetensors"] == recorded["lora/last/peft/adapter_model.safetensors"]
     if retention != "top1_and_last" or fail != "checkpoint":
         return
-    resumed = jagg_fit(fit_config(root, RETENTION[retention], None, steps=4), tmp_path / "resume.yaml",
-                       "--ckpt_path", str(root / "ckpt" / "last.ckpt"))
+    (tmp_path / "resume.yaml").write_text(yaml.safe_dump(fit_config(root, RETENTION[retention], None, steps=4)))
+    resumed = jagg_in_process("fit", "--config", tmp_path / "resume.yaml", "--ckpt_path", root / "ckpt" / "last.ckpt",
+                              cwd=ROOT, capfd=capfd, monkeypatch=monkeypatch)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     last = torch.load(root / "ckpt" / "last.ckpt", weights_only=True)
     assert (tmp_path / "start").read_text() == "2"  # from the last good checkpoint

@@ -20,6 +20,7 @@ TWINS = {  # family -> policy settings of a twin (guided where the family has CF
     "sd3": dict(guidance_scale=2.0, lora_targets=["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]),
     "flux": dict(guidance_scale=3.5),
     "flux2": dict(guidance_scale=4.0),
+    "flux2_dev": dict(guidance_scale=4.0),  # embedded guidance: one branch traced
     "wan": dict(guidance_scale=3.0),
     "wan22": dict(guidance_scale=3.0, guidance_scale_2=2.0),
     "qwen_image": dict(guidance_scale=1.0),
@@ -69,6 +70,7 @@ def test_a_context_degree_and_fsdp2_divide_what_they_shard():
 PUBLISHED = {
     "black-forest-labs/FLUX.1-dev": (12e9, 0.5e9),  # "12B"
     "black-forest-labs/FLUX.2-klein-base-4B": (4e9, 0.5e9),  # "4B"
+    "black-forest-labs/FLUX.2-dev": (32e9, 0.5e9),  # "32B"
     "Qwen/Qwen-Image": (20e9, 0.5e9),  # "20B"
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": (14e9, 0.5e9),  # "14B" per expert
     # the names' figures, not roundings of the count: Wan2.1's "1.3B" (30 blocks of width 1536 count 1.42B) and
@@ -93,10 +95,19 @@ def test_every_preset_hub_id_has_a_shipped_config():
 
     from jagg_lightning.assets import find_local
 
-    presets = ["sd35_medium", "flux_dev", "flux2_klein", "qwen_image", "wan21_t2v_1_3b", "wan22_t2v_a14b"]
+    presets = ["sd35_medium", "flux_dev", "flux2_klein", "flux2_dev", "qwen_image", "wan21_t2v_1_3b", "wan22_t2v_a14b"]
+    families = ("sd3", "flux", "flux2", "flux2_dev", "qwen_image", "wan")
     for name in presets:
         pretrained = yaml.safe_load(open(find_local(f"configs/{name}.yaml")))["model"]["policy"]["pretrained"]
-        assert model_spec(PolicyConfig(pretrained=pretrained)).family in ("sd3", "flux", "flux2", "qwen_image", "wan")
+        assert model_spec(PolicyConfig(pretrained=pretrained)).family in families
+
+
+@pytest.mark.parametrize("pretrained", ["Qwen/Qwen-Image-Edit", None])
+def test_a_family_without_a_plan_is_refused_by_name(pretrained):
+    """The editing families (their source tokens and VL image tokens are not planned): one line naming the family,
+    before any file is looked for -- the hub id, or the twin."""
+    with pytest.raises(ValueError, match="policy.family: jagg plan has no memory plan for the qwen_image_edit family"):
+        model_spec(PolicyConfig(family="qwen_image_edit", pretrained=pretrained))
 
 
 def test_twin_spec_counts_the_twins_components():

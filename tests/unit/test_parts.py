@@ -116,5 +116,6 @@ def test_eval_sums_are_means_over_every_sample_and_keep_the_first_grid_images(rn
     assert means["reward_mean"] == pytest.approx(float(every.mean()), rel=1e-6)
     assert means["reward/a"] == pytest.approx(float(2 * every.mean()), rel=1e-6)
     assert torch.equal(torch.cat(sums.grid), torch.cat([i for i, _ in batches])[:5])
+    assert sums.grid_prompts == []  # none given: the grid is drawn without prompts
     doubled = sums.means(lambda s: 2 * s)  # a sum over two identical processes: the same means
     assert all(torch.equal(doubled[k], means[k]) for k in means)

@@ -1,9 +1,9 @@
 """The private APIs of our dependencies that the package still uses, one test each (docs/architecture.md, "Private
 APIs we still use"): each fails with a message saying what changed and where we depend on it, so an upgrade of
 Lightning, torch or TensorBoard that moves one is caught here, not by a user. (The diffusers pipelines' private
-latent helpers, ``QwenImagePipeline._unpack_latents`` and ``Flux2KleinPipeline._patchify_latents`` /
-``_unpatchify_latents``, are checked where they are used: the family tests compare the policies' sampling with the
-pipelines' own.)"""
+latent helpers, ``QwenImagePipeline._unpack_latents``, ``QwenImageEditPipeline._encode_vae_image`` / ``_pack_latents``
+and ``Flux2KleinPipeline._patchify_latents`` / ``_unpatchify_latents`` (``Flux2Pipeline``'s for FLUX.2 [dev]), are
+checked where they are used: the family tests compare the policies' sampling with the pipelines' own.)"""
 
 import inspect
 
@@ -28,13 +28,13 @@ def test_lightning_hands_the_cli_config_to_save_hyperparameters_through_a_contex
 
 
 def test_lightning_cli_keeps_its_subcommand_parsers():
-    """cli.py reads ``LightningCLI._subcommand_parsers`` for the keys a typo is matched against ("did you mean") and
-    for the model section's defaults on --ckpt_path (what the user said vs. what the checkpoint restores)."""
+    """cli_lightning.py reads ``LightningCLI._subcommand_parsers`` for the keys a typo is matched against ("did you
+    mean") and for the model section's defaults on --ckpt_path (what the user said vs. what the checkpoint restores)."""
     from lightning.pytorch.cli import LightningCLI
 
     source = inspect.getsource(LightningCLI)
-    assert "self._subcommand_parsers[" in source, ("LightningCLI no longer keeps _subcommand_parsers: cli.py's typo "
-                                                    "suggestions and resume overrides read it")
+    assert "self._subcommand_parsers[" in source, ("LightningCLI no longer keeps _subcommand_parsers: "
+                                                    "cli_lightning.py's typo suggestions and resume overrides read it")
 
 
 def test_rich_progress_bar_still_describes_the_epoch_with_a_private_method():
@@ -105,8 +105,8 @@ def test_module_to_reads_its_arguments_with_public_types_only(args, kwargs, expe
 def test_lightning_keeps_what_the_preemption_stop_reads():
     """callbacks/preemption.py writes a SLURM job's checkpoint where Lightning's auto-resume looks
     (``trainer._checkpoint_connector.hpc_save_path``), reads the cluster environment from
-    ``trainer._accelerator_connector``; cli.py's ``--ckpt_path last`` weighs ``ModelCheckpoint._find_last_checkpoints``
-    against the stop's checkpoint."""
+    ``trainer._accelerator_connector``; cli_lightning.py's ``--ckpt_path last`` weighs
+    ``ModelCheckpoint._find_last_checkpoints`` against the stop's checkpoint."""
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
@@ -114,10 +114,24 @@ def test_lightning_keeps_what_the_preemption_stop_reads():
     assert callable(getattr(_CheckpointConnector, "hpc_save_path", None)), \
         "lightning moved _CheckpointConnector.hpc_save_path: Preemption's SLURM checkpoint (callbacks/preemption.py)"
     assert callable(getattr(ModelCheckpoint, "_find_last_checkpoints", None)), \
-        "lightning moved ModelCheckpoint._find_last_checkpoints: cli.py's --ckpt_path last"
+        "lightning moved ModelCheckpoint._find_last_checkpoints: cli_lightning.py's --ckpt_path last"
     trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
     assert hasattr(trainer._accelerator_connector, "cluster_environment"), \
         "lightning moved _AcceleratorConnector.cluster_environment: Preemption's SLURM detection"
+
+
+def test_uvicorn_server_still_captures_signals_through_overridable_methods():
+    """rewards/server.py overrides ``uvicorn.Server.capture_signals`` (so that a stop signal is not raised again inside
+    the event loop, where it cancels the open requests with a traceback each) and ``handle_exit`` (to record it);
+    ``serve`` must still enter the first and install the second. uvicorn has no public option for either."""
+    uvicorn = pytest.importorskip("uvicorn")
+
+    assert "self.capture_signals()" in inspect.getsource(uvicorn.Server.serve), (
+        "uvicorn.Server.serve no longer enters capture_signals: serve-reward's Ctrl-C (rewards/server.py)")
+    assert list(inspect.signature(uvicorn.Server.handle_exit).parameters) == ["self", "sig", "frame"], (
+        "uvicorn.Server.handle_exit changed: serve-reward records its stop signal there (rewards/server.py)")
+    assert "self.handle_exit" in inspect.getsource(uvicorn.Server.capture_signals), (
+        "uvicorn.Server.capture_signals no longer installs handle_exit: serve-reward's Ctrl-C (rewards/server.py)")
 
 
 def test_torch_keeps_what_regional_compilation_reads():

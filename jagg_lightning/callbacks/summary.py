@@ -1,0 +1,165 @@
+"""What a run came to, printed once at its end (rank 0), below the finished progress bar: every ``val/*`` (``test/*``)
+metric first -> last, the wall and CPU time, and where the adapter, the checkpoints, the logs and the images are."""
+
+from __future__ import annotations
+
+import time
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from jagg_lightning.callbacks.progress import finish_progress_bar, stage_name
+from jagg_lightning.grids import weights_label
+from jagg_lightning.images import log_dir
+
+# the test bed's and the module's evaluation metrics, in this order, then any other one by name (docs/callbacks.md)
+LABELS = {"digit_accuracy": "held-out accuracy", "judge_accuracy": "judge accuracy", "digit_reward": "held-out reward",
+          "judge_agreement": "judge agreement", "reward_mean": "val-set reward"}
+PICTURES = (".png", ".gif")
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 99.5 else f"{int(seconds // 60)} min {round(seconds % 60):02d} s"
+
+
+def number(value: float) -> str:
+    """Three decimals, half up, after rounding away float32's last digits (a share of 240 samples, 183/240 = 0.7625
+    logged as 0.76249999, prints 0.763); a small or large value in four significant digits."""
+    if not (1e-3 <= abs(value) < 1e4 or value == 0):
+        return f"{value:.4g}"
+    return str(Decimal(repr(round(value, 6))).quantize(Decimal("0.001"), rounding=ROUND_HALF_UP))
+
+
+def _list(folder: Path, names: list[str]) -> str:
+    """``folder/`` and its files: all of up to three, else the first and the last and how many."""
+    names = sorted(names)
+    shown = ", ".join(names) if len(names) <= 3 else f"{names[0]} … {names[-1]} ({len(names)} files)"
+    return f"{folder}/: {shown}"
+
+
+class RunSummary(L.Callback):
+    """At the end of ``fit`` / ``validate`` / ``test``, once, on rank 0 (the ``jagg`` CLI adds it; ``print_fn``:
+    where the lines go). ``series`` holds every evaluation metric: {name: {step: value}}, from what each
+    evaluation leaves in ``trainer.callback_metrics`` and from any callback's ``evaluations`` list of (step, {name:
+    value}) (``DigitAccuracy``, which logs to the loggers directly during fit). ``lines`` is what was printed."""
+
+    def __init__(self, print_fn=print):
+        super().__init__()
+        self.print_fn = print_fn
+        self.series: dict[str, dict[int, float]] = {}
+        self.lines: list[str] = []
+        self._done = False
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._start = (time.time(), time.perf_counter(), time.process_time())
+        self._first_step, self._done, self.series = trainer.global_step, False, {}
+        self._log_dir = log_dir(trainer) if trainer.loggers else None  # on every process: it broadcasts
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._first_step = trainer.global_step  # after a checkpoint is restored
+
+    def _record(self, trainer) -> None:
+        for name, value in trainer.callback_metrics.items():
+            if name.startswith(("val/", "test/")):
+                self.series.setdefault(name, {})[trainer.global_step] = float(value)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self._record(trainer)
+            self._done = trainer.state.fn == "validate"
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        self._record(trainer)
+        self._done = True
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._done = True  # a fit that stopped on an error or a signal never gets here: no summary
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if not (self._done and trainer.is_global_zero):
+            return
+        self._done = False
+        for callback in trainer.callbacks:
+            for step, values in getattr(callback, "evaluations", None) or []:
+                for name, value in values.items():
+                    self.series.setdefault(name, {})[step] = float(value)
+        finish_progress_bar(trainer, pl_module)  # these lines below the finished bar
+        self.lines = self.summary(trainer, pl_module)
+        self.print_fn("\n".join(self.lines))
+
+    def summary(self, trainer, pl_module) -> list[str]:
+        wall, cpu = time.perf_counter() - self._start[1], time.process_time() - self._start[2]
+        fn = stage_name(trainer)
+        if fn == "fit":
+            head = f"jagg fit: {trainer.global_step - self._first_step} steps"
+        else:
+            policy = getattr(pl_module, "policy_config", None)
+            what = weights_label(fn, trainer.global_step, trainer.ckpt_path, getattr(policy, "adapter", None))[0]
+            head = f"jagg {fn}: {what}"
+        lines = [f"{head} in {duration(wall)} wall, {duration(cpu)} CPU"]
+        lines += self.metric_lines(steps=fn == "fit")
+        if fn == "fit":
+            lines += self.adapter_lines(trainer) + self.checkpoint_lines(trainer)
+        if self._log_dir is not None:
+            csv = any(isinstance(logger, CSVLogger) for logger in trainer.loggers)
+            lines.append(f"  {'logs':<12} {self._log_dir}/" + (" (metrics.csv)" if csv else ""))
+        lines += self.picture_lines(trainer)
+        return lines
+
+    def metric_lines(self, steps: bool = True) -> list[str]:
+        """One line per metric: its label (the known ones), its name, first → last (the steps: ``steps``)."""
+        def order(name: str):
+            short = name.split("/", 1)[1]
+            return (list(LABELS).index(short) if short in LABELS else len(LABELS), name)
+
+        width = max([len(n) for n in self.series] + [0])
+        lines = []
+        for name in sorted(self.series, key=order):
+            at = sorted(self.series[name])
+            first, last = self.series[name][at[0]], self.series[name][at[-1]]
+            label = LABELS.get(name.split("/", 1)[1], "")
+            if len(at) > 1:
+                values = f"{number(first)} → {number(last)}" + (f"  (step {at[0]} → {at[-1]})" if steps else "")
+            else:
+                values = number(last) + (f"  (step {at[0]})" if steps else "")
+            lines.append(f"  {label:<17} {name:<{width}}  {values}")
+        return lines
+
+    def adapter_lines(self, trainer) -> list[str]:
+        lines = []
+        for callback in trainer.callbacks:
+            path = getattr(callback, "exported", {}).get("final")
+            if path is not None:
+                parts = sorted(p.name + "/" for p in Path(path).iterdir() if p.is_dir()) if Path(path).is_dir() else []
+                lines.append(f"  {'adapter':<12} {path}/" + (f" ({', '.join(parts)})" if parts else ""))
+        return lines
+
+    def checkpoint_lines(self, trainer) -> list[str]:
+        saved = {}
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                for path in (callback.best_model_path, callback.last_model_path):
+                    if path and Path(path).is_file():
+                        saved.setdefault(Path(path).parent, []).append(Path(path).name)
+        if not saved:
+            why = "" if trainer.checkpoint_callbacks else " (trainer.enable_checkpointing: false)"
+            return [f"  {'checkpoints':<12} none{why}"]
+        return [f"  {'checkpoints' if i == 0 else '':<12} {_list(folder, sorted(set(names)))}"
+                for i, (folder, names) in enumerate(saved.items())]
+
+    def picture_lines(self, trainer) -> list[str]:
+        """The pictures this run wrote: the callbacks' ``written`` lists and what is new in the log directory."""
+        since = self._start[0] - 1
+        found = {Path(p) for c in trainer.callbacks for p in getattr(c, "written", None) or []
+                 if Path(p).suffix in PICTURES}
+        if self._log_dir is not None and self._log_dir.is_dir():
+            found |= {p for pattern in ("*", "*/*") for p in self._log_dir.glob(pattern)
+                      if p.suffix in PICTURES and p.is_file() and p.stat().st_mtime >= since}
+        folders: dict[Path, list[str]] = {}
+        for path in found:
+            folders.setdefault(path.parent, []).append(path.name)
+        return [f"  {'images' if i == 0 else '':<12} {_list(folder, names)}"
+                for i, (folder, names) in enumerate(sorted(folders.items()))]

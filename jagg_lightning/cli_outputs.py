@@ -1,0 +1,99 @@
+"""``jagg fit`` never replaces what an earlier run trained: a new run into folders that hold an earlier run's
+exported adapter (``lora/final``, ``lora/last``: :class:`~jagg_lightning.callbacks.LoRAExport`) or checkpoints stops
+at start, before any model is built, with one line naming the folder and the ways on:
+
+- another folder for this run (``--lora_export.dirpath``, ``--trainer.default_root_dir``);
+- ``--ckpt_path``: this run continues that one (resume), and writes on in its folders;
+- ``--overwrite true``: replace them (the earlier run's files are replaced as the new run writes).
+
+A run is new unless it resumes: ``--ckpt_path`` names a checkpoint, ``--ckpt_path last`` finds one (Lightning's
+choice, or the Preemption callback's), or Lightning finds a SLURM ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``
+(a requeued job). The folders looked in are the ones this run writes to: every ``LoRAExport``'s, the ``Preemption``
+and ``OnExceptionCheckpoint`` checkpoints', and a ``ModelCheckpoint``'s ``dirpath`` (without one and without a logger:
+``<default_root_dir>/checkpoints``; with a logger it is the logger's new ``version_<n>/checkpoints``).
+Logs, sample grids and predictions are not looked at: Lightning's loggers give every run its own ``version_<n>``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+from jagg_lightning.callbacks import LoRAExport, Preemption
+from jagg_lightning.io import readable_path
+
+EXPORTS = ("final", "last")  # what LoRAExport writes under its folder
+
+
+def last_candidates(trainer) -> set[Path]:
+    """The checkpoints ``--ckpt_path last`` chooses among: Lightning's (every ``ModelCheckpoint``'s ``last`` files,
+    ``OnExceptionCheckpoint``'s file) and the ``Preemption`` callback's."""
+    found = {p for c in trainer.callbacks if isinstance(c, Preemption)
+             for p in [c.checkpoint_file(trainer)] if p.is_file()}
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            found |= {Path(p) for p in callback._find_last_checkpoints(trainer)}
+        if isinstance(callback, OnExceptionCheckpoint) and Path(callback.ckpt_path).is_file():
+            found.add(Path(callback.ckpt_path))
+    return found
+
+
+def resumes(trainer, ckpt_path) -> bool:
+    """This fit continues an earlier run: a checkpoint given, found for ``last``, or a SLURM requeue's."""
+    if ckpt_path is not None and (str(ckpt_path) != "last" or last_candidates(trainer)):
+        return True
+    return any(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt"))  # Lightning resumes from it by itself
+
+
+def checkpoint_folders(trainer) -> set[Path]:
+    """The folders this run's checkpoints go to that are not new for every run (see the module docstring)."""
+    root = Path(trainer.default_root_dir)
+    folders = set()
+    for callback in trainer.callbacks:
+        if isinstance(callback, Preemption):
+            folders.add(callback.checkpoint_file(trainer).parent)
+        elif isinstance(callback, OnExceptionCheckpoint):
+            folders.add(Path(callback.ckpt_path).parent)
+        elif isinstance(callback, ModelCheckpoint):
+            if callback.dirpath is not None:
+                folders.add(Path(callback.dirpath))
+            elif not trainer.loggers:
+                folders.add(root / "checkpoints")
+    return folders
+
+
+def earlier_outputs(trainer) -> list[tuple[str, Path, list[str]]]:
+    """What a new run would replace: (field, folder, the names found there), adapters first."""
+    found = []
+    for callback in trainer.callbacks:
+        if isinstance(callback, LoRAExport):
+            folder = callback.folder(trainer)
+            names = [n for n in EXPORTS if readable_path(folder / n).exists()]
+            if names:
+                found.append(("lora_export.dirpath", folder, names))
+    for folder in sorted(checkpoint_folders(trainer)):
+        names = sorted(p.name for p in folder.glob("*.ckpt")) if folder.is_dir() else []
+        if names:
+            found.append(("checkpoints", folder, names))
+    return found
+
+
+def check_new_run(trainer, ckpt_path, overwrite: bool) -> None:
+    """ValueError (one line) when a new run would replace an earlier run's adapter or checkpoints."""
+    if overwrite or resumes(trainer, ckpt_path):
+        return
+    found = earlier_outputs(trainer)
+    if not found:
+        return
+    field, folder, names = found[0]
+    what = "adapter" if field == "lora_export.dirpath" else "checkpoints"
+    checkpoints = [where / n for kind, where, found_names in found if kind == "checkpoints" for n in found_names]
+    resume = ""
+    if checkpoints:
+        newest = max(checkpoints, key=lambda p: p.stat().st_mtime)
+        resume = f", continue that run with --ckpt_path {newest}"
+    raise ValueError(
+        f"{field}: {str(folder)!r} holds an earlier run's {what} ({', '.join(names)}); a new fit does not write over "
+        f"them (nothing was started): give this run its own folder (--trainer.default_root_dir, --lora_export.dirpath)"
+        f"{resume}, or let it replace them with --overwrite true")

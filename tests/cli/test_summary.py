@@ -1,0 +1,137 @@
+"""What `jagg fit` and `jagg validate` tell at their end (issue 30): the summary (every val/* metric first -> last,
+where the adapter, checkpoints, logs and grids are), below a progress bar that fits 80 columns; sample grids marked by
+what the digit classifier reads; the validation grid named after the adapter and step it sampled. In-process runs of
+the tiny SD3 (configs/tiny.yaml, 3 steps) rewarded by the digit classifier."""
+
+import csv
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from jagg_lightning.callbacks import LoRAExport, RunSummary, SampleImages
+from jagg_lightning.callbacks.summary import number
+from jagg_lightning.cli import cli_main
+from jagg_lightning.grids import RIGHT, WRONG
+from jagg_lightning.rewards.digits import DigitReward
+
+ROOT = Path(__file__).resolve().parents[2]
+DIGITS = ["a handwritten digit 3", "a handwritten digit 7"]
+
+
+def common(root: Path) -> list[str]:
+    return ["--config", str(ROOT / "configs/tiny.yaml"), "--trainer.default_root_dir", str(root),
+            "--trainer.logger.init_args.save_dir", str(root), "--lora_export.dirpath", str(root / "lora"),
+            "--model.reward", "digits", "--data.prompts_file", "null", "--data.prompts", str(DIGITS),
+            "--data.val_prompts", str(DIGITS), "--model.evaluation.num_steps", "4",
+            "--model.evaluation.samples_per_prompt", "2", "--model.sampling.group_size", "4",
+            "--model.sampling.rollout_batch_size", "8", "--model.grpo.train_batch_size", "8"]
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """3 steps, validation after each, checkpoints on, a SampleImages grid at step 2 and at the end; stdout kept."""
+    root = tmp_path_factory.mktemp("summary")
+    capture = pytest.MonkeyPatch()
+    capture.setenv("COLUMNS", "80")  # rich's width when stdout is not a terminal: the bar is drawn once, at its end
+    out = root / "stdout.txt"
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            cli = cli_main(["fit", *common(root), "--trainer.max_steps", "3", "--trainer.val_check_interval", "1",
+                            "--trainer.enable_checkpointing", "true", "--trainer.callbacks",
+                            "[{class_path: jagg_lightning.callbacks.SampleImages, init_args: {prompts: "
+                            f"{DIGITS}, every_n_steps: 2, samples_per_prompt: 2, num_steps: 4}}}}]"])
+    finally:
+        capture.undo()
+    out.write_text(buffer.getvalue())
+    return root, cli, buffer.getvalue()
+
+
+def test_fit_ends_with_the_metrics_first_to_last_and_where_everything_is(fitted):
+    root, cli, stdout = fitted
+    [summary] = [c for c in cli.trainer.callbacks if isinstance(c, RunSummary)]
+    lines = stdout.splitlines()
+    start = lines.index(summary.lines[0])
+    assert stdout.count("jagg fit: 3 steps in ") == 1 and re.match(r"jagg fit: 3 steps in \d+ s wall, \d+ s CPU",
+                                                                     lines[start])
+    # every val/* metric the CSV logger wrote, first -> last, as the CSV has them
+    rows = [r for r in csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")) if r.get("val/reward_mean")]
+    assert len(rows) == 3  # after each step (the CSV counts the steps done before it: 0, 1, 2)
+    for name in ("val/reward_mean", "val/reward/digits"):
+        first, last = float(rows[0][name]), float(rows[-1][name])
+        [line] = [x for x in summary.lines if f" {name} " in x]
+        assert line.endswith(f"{number(first)} → {number(last)}  (step 1 → 3)"), line
+    assert "val-set reward" in next(x for x in summary.lines if " val/reward_mean " in x)
+    # the paths it names exist and are this run's
+    adapter = next(x for x in summary.lines if x.lstrip().startswith("adapter"))
+    [export] = [c for c in cli.trainer.callbacks if isinstance(c, LoRAExport)]
+    assert adapter.split()[1] == f"{export.exported['final']}/" == f"{root / 'lora' / 'final'}/"
+    assert "(diffusers/, peft/)" in adapter
+    checkpoints = next(x for x in summary.lines if x.lstrip().startswith("checkpoints"))
+    folder, names = checkpoints.split()[1].rstrip(":").rstrip("/"), re.findall(r"[\w=.-]+\.ckpt", checkpoints)
+    assert names and all((Path(folder) / n).is_file() for n in names)
+    logs = next(x for x in summary.lines if x.lstrip().startswith("logs"))
+    assert logs.split()[1] == f"{cli.trainer.log_dir}/"
+    [samples] = [c for c in cli.trainer.callbacks if isinstance(c, SampleImages)]
+    pictures = "\n".join(summary.lines[summary.lines.index(next(x for x in summary.lines if "images" in x)):])
+    assert f"{samples.written[-1].parent}/: " in pictures and "step_000002.png" in pictures
+    assert "val_step_000003.png" in pictures and "routing.png" not in pictures  # tiny.yaml's RoutingStats: no plot
+    assert (samples.written[-1].parent / "val_step_000003.png").is_file()
+
+
+def test_the_progress_bar_fits_80_columns_and_comes_before_the_closing_lines(fitted):
+    _, cli, stdout = fitted
+    lines = stdout.splitlines()
+    [bar] = [i for i, line in enumerate(lines) if "step: 3/3" in line]
+    assert "reward:" in lines[bar] and re.search(r"reward: -?\d+\.\d{3}$", lines[bar].rstrip()), lines[bar]
+    assert len(lines[bar]) <= 80
+    written = next(i for i, line in enumerate(lines) if line.startswith("LoRA adapter written to"))
+    summary = next(i for i, line in enumerate(lines) if line.startswith("jagg fit:"))
+    assert bar < written < summary  # the adapter's line after the bar's last redraw, the summary last
+    assert stdout.count("step: 3/3") == 1
+
+
+def test_sample_grid_frames_say_what_the_classifier_reads(fitted):
+    _, cli, _ = fitted
+    [samples] = [c for c in cli.trainer.callbacks if isinstance(c, SampleImages)]
+    grid, layout, marks = samples.last_grid, samples.last_layout, samples.last_marks
+    side = grid.shape[0] // len(DIGITS)
+    cells = [grid[r * side:(r + 1) * side, c * side:(c + 1) * side] for r in range(2) for c in range(4)]
+    images = torch.from_numpy(np.stack(cells)).permute(0, 3, 1, 2).float() / 255
+    read = DigitReward().correct(images, [p for p in DIGITS for _ in range(4)]).view(2, 4).tolist()
+    assert marks.correct == read  # the marks are the classifier's reading of these very cells
+    with Image.open(samples.written[-1]) as img:
+        picture = np.asarray(img.convert("RGB"))
+    for r in range(2):
+        for c in range(4):
+            x0, y0, x1, y1 = layout.cell_box(r, c)
+            assert tuple(picture[(y0 + y1) // 2, x0 - 2]) == (RIGHT if read[r][c] else WRONG)
+            assert tuple(picture[y0 - 2, (x0 + x1) // 2]) == (RIGHT if read[r][c] else WRONG)
+
+
+def test_validate_an_adapter_names_it_on_the_grid_file_and_in_the_summary(fitted, tmp_path, capsys):
+    root, _, _ = fitted
+    adapter = root / "lora" / "final"
+    args = common(tmp_path)
+    args[args.index("--lora_export.dirpath"):args.index("--lora_export.dirpath") + 2] = []
+    cli = cli_main(["validate", *args, "--model.policy.adapter", str(adapter), "--trainer.enable_progress_bar",
+                    "false"])
+    stdout = capsys.readouterr().out
+    grid = Path(cli.trainer.log_dir) / "samples" / "val_final_step_000003.png"  # the adapter's step, not 0
+    assert grid.is_file() and not list(grid.parent.glob("val_step_*"))
+    [summary] = [c for c in cli.trainer.callbacks if isinstance(c, RunSummary)]
+    assert summary.lines[0].startswith(f"jagg validate: adapter {adapter}, step 3 in ") and summary.lines[0] in stdout
+    value = float(cli.trainer.callback_metrics["val/reward_mean"])
+    assert any(re.search(rf" val/reward_mean +{re.escape(number(value))}$", x) for x in summary.lines), summary.lines
+    assert any(f"/samples/: val_final_step_000003.png" in x for x in summary.lines)
+    with Image.open(grid) as img:  # labelled, upscaled, framed: not a strip of native-size images
+        picture = np.asarray(img.convert("RGB"))
+    assert picture.shape[0] > 2 * 96 and picture.shape[1] > 2 * 96
+    assert (np.all(picture == RIGHT, axis=-1) | np.all(picture == WRONG, axis=-1)).sum() > 4 * 4 * 96
