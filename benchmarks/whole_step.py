@@ -21,6 +21,14 @@ Not a test: run it by hand:
     python benchmarks/whole_step.py --model tiny --repeats 3
     python benchmarks/whole_step.py --model 14m --repeats 3 [--kl-beta 0.04]
     python benchmarks/whole_step.py --model wan --only exact W=4 --repeats 3   # the video twin
+    python benchmarks/whole_step.py --model 14m --only exact W=4 --compile --repeats 2
+
+``--compile`` runs every configuration twice, eager and with ``policy.compile: repeated_blocks`` (each transformer
+block compiled by inductor, docs/method.md section 7), side by side. The timed step is the second, after every
+compile (the first step compiles; the dynamo counters are read after each step to show the second and third compile
+nothing); the one-off cost is reported as the first step's CPU time, each compiled process starting from an empty
+inductor cache (``TORCHINDUCTOR_CACHE_DIR``: a fresh job's cold compile, not a warm on-disk cache's) and compiling in
+its own process (``TORCHINDUCTOR_COMPILE_THREADS=1``), so the first step's CPU time counts the compiler's gcc runs.
 """
 
 from __future__ import annotations
@@ -86,6 +94,7 @@ def child(args) -> None:
     import torch
     from lightning.pytorch.callbacks import Callback
 
+    from jagg_lightning.compiling import compile_counts
     from jagg_lightning.data import PromptDataModule
     from jagg_lightning.memory_plan.trace import SavedTensorPeak, weight_keys
     from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
@@ -100,6 +109,7 @@ def child(args) -> None:
         reward = FrameReward("jpeg_compressibility", frames=3)
     module = JAGGModule(
         PolicyConfig(pretrained=args.pretrained, guidance_scale=args.guidance, max_sequence_length=4,
+                     compile="repeated_blocks" if args.compiled else None,
                      **({"trainable": "full"} if args.full else {"lora_rank": 8, "lora_alpha": 16}),
                      **({"family": "wan", "num_frames": WAN_FRAMES, "resolution": WAN_RESOLUTION} if video else {})),
         SamplingConfig(num_steps=args.steps + 1, group_size=args.samples // 2, rollout_batch_size=args.samples),
@@ -132,8 +142,16 @@ def child(args) -> None:
 
     weights = weight_keys(module.policy)  # the tracker `jagg plan` is validated with (storages counted once)
 
+    def cpu_with_children() -> float:  # inductor runs gcc in child processes (waited for: compile_threads 1)
+        times = os.times()
+        return time.process_time() + times.children_user + times.children_system
+
     class StepTimer(Callback):
+        # the first step's CPU time with its compiler processes, and wall time; frames compiled per step
+        first_cpu, first_wall, compiles = 0.0, 0.0, []
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.counts, self.cpu_children = compile_counts()["frames"], cpu_with_children()
             for p in spent:
                 spent[p] = [0.0, 0.0]
             if batch_idx == 2:  # the memory step
@@ -143,6 +161,9 @@ def child(args) -> None:
             self.cpu, self.wall = time.process_time(), time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.compiles = self.compiles + [compile_counts()["frames"] - self.counts]
+            if batch_idx == 0:
+                self.first_cpu, self.first_wall = cpu_with_children() - self.cpu_children, time.perf_counter() - self.wall
             if batch_idx == 1:
                 self.result = dict(cpu=time.process_time() - self.cpu, wall=time.perf_counter() - self.wall,
                                    phases={p: v[0] for p, v in spent.items()},
@@ -158,6 +179,7 @@ def child(args) -> None:
     prompts = [f"prompt {i}" for i in range(2)]
     trainer.fit(module, PromptDataModule(prompts=prompts * 3, batch_size=2, shuffle=False))
     result = timer.result
+    result.update(first_step_cpu=timer.first_cpu, first_step_wall=timer.first_wall, compiles=timer.compiles)
     result["phases"]["sample"] = result["cpu"] - sum(v for p, v in result["phases"].items() if p != "sample")
     print("RESULT " + json.dumps(result))
 
@@ -174,6 +196,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the raw results here")
     parser.add_argument("--full", action="store_true", help="policy.trainable full (every weight) instead of LoRA")
     parser.add_argument("--only", nargs="+", help="only these configurations (names as in the table)")
+    parser.add_argument("--compile", action="store_true",
+                        help="each configuration eager and with policy.compile: repeated_blocks, side by side")
+    parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--fused", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--pretrained", help=argparse.SUPPRESS)
@@ -188,44 +213,60 @@ def main() -> None:
             (build_14m if args.model == "14m" else build_wan)(Path(pretrained))
         names = list(CONFIGS) + (list(KL_CONFIGS) if args.kl_beta > 0 else [])
         names = [n for n in names if args.only is None or n in args.only]
-        runs = [(name, fused) for name in names for fused in (False, True)]
+        runs = [(name, fused, compiled) for name in names for fused in (False, True)
+                for compiled in ((False, True) if args.compile else (False,))]
         results = {run: [] for run in runs}
-        for _ in range(args.repeats):
-            for name, fused in runs:
+        for repeat in range(args.repeats):
+            for name, fused, compiled in runs:
                 cmd = [sys.executable, __file__, "--config", name, "--model", args.model, "--samples", str(args.samples),
                        "--steps",
                        str(args.steps), "--guidance", str(args.guidance), "--kl-beta", str(args.kl_beta)]
                 cmd += ["--fused"] if fused else []
                 cmd += ["--full"] if args.full else []
+                cmd += ["--compiled"] if compiled else []
                 cmd += ["--pretrained", pretrained] if pretrained else []
-                out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+                env = os.environ | {"OMP_NUM_THREADS": "1"}
+                if compiled:  # an empty inductor cache per process (the cold compile a fresh job pays), compiled in
+                    # this process (its gcc children counted in the first step's CPU time)
+                    env |= {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(dir=tmp, prefix=f"inductor{repeat}-"),
+                            "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+                out = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
                 if out.returncode or not line:
-                    raise SystemExit(f"{name} fused={fused} failed:\n{out.stderr[-3000:]}")
-                results[(name, fused)].append(json.loads(line[0][len("RESULT "):]))
+                    raise SystemExit(f"{name} fused={fused} compiled={compiled} failed:\n{out.stderr[-3000:]}")
+                results[(name, fused, compiled)].append(json.loads(line[0][len("RESULT "):]))
     report(args, results)
     if args.json:
-        args.json.write_text(json.dumps({f"{n} {'fused' if f else 'unfused'}": r for (n, f), r in results.items()},
-                                        indent=1))
+        args.json.write_text(json.dumps({label(*run): r for run, r in results.items()}, indent=1))
+
+
+def label(name: str, fused: bool, compiled: bool) -> str:
+    return f"{name} {'fused' if fused else 'unfused'}{' compiled' if compiled else ''}"
 
 
 def report(args, results) -> None:
     import torch
 
-    base = statistics.median(r["cpu"] for r in results[("exact", False)])
+    base = statistics.median(r["cpu"] for r in results[("exact", False, False)])
     print(f"{args.model}: {args.samples} samples, {args.steps} trained steps, kl_beta {args.kl_beta}, guidance "
           f"{args.guidance}, torch {torch.__version__}, 1 thread, {args.repeats} repeats (one process each)")
     head = " | ".join(f"{p} %" for p in PHASES)
-    print(f"| configuration | CPU s min | CPU s median | wall s median | vs exact | {head} | backward | grad fwd "
+    extra = " vs eager | first step CPU s | compiles per step |" if args.compile else ""
+    print(f"| configuration | CPU s min | CPU s median | wall s median | vs exact |{extra} {head} | backward | grad fwd "
           f"| fused fwd | ref fwd | activation peak MB |")
-    print("|" + "---|" * (10 + len(PHASES)))
-    for (name, fused), rs in results.items():
+    print("|" + "---|" * (10 + len(PHASES) + (3 if args.compile else 0)))
+    for (name, fused, compiled), rs in results.items():
         cpu = sorted(r["cpu"] for r in rs)
         med = statistics.median(cpu)
         shares = " | ".join(f"{100 * statistics.median(r['phases'][p] / r['cpu'] for r in rs):.0f}" for p in PHASES)
         p = rs[0]["passes"]
-        print(f"| {name}{' fused' if fused else ''} | {cpu[0]:.3f} | {med:.3f} | "
-              f"{statistics.median(r['wall'] for r in rs):.3f} | {med / base:.2f} | {shares} | "
+        columns = ""
+        if args.compile:
+            eager = statistics.median(r["cpu"] for r in results[(name, fused, False)])
+            first = statistics.median(r["first_step_cpu"] for r in rs)  # with the compiler's child processes
+            columns = f" {med / eager:.2f} | {first:.1f} | {'/'.join(str(c) for c in rs[0]['compiles'])} |"
+        print(f"| {name}{' fused' if fused else ''}{' compiled' if compiled else ''} | {cpu[0]:.3f} | {med:.3f} | "
+              f"{statistics.median(r['wall'] for r in rs):.3f} | {med / base:.2f} |{columns} {shares} | "
               f"{p.get('backward', 0):.0f} | {p.get('grad_forward', 0):.0f} | {p.get('fused_forward', 0):.0f} | "
               f"{p.get('reference_forward', 0):.0f} | {statistics.median(r['activation_peak_mb'] for r in rs):.2f} |")
 

@@ -53,6 +53,20 @@ def check_precision(precision, dtype: str | None) -> str:
     return name
 
 
+def check_strategy(strategy, sharded_class: type, stage: str, jagg, policy) -> None:
+    """Refuse what the Trainer's ``strategy`` cannot run: the fused mode (``jagg.fused_rollout``) when fitting under
+    FSDP2 (a ``sharded_class``, Lightning's ``ModelParallelStrategy``), and ``policy.compile`` under FSDP2 or context
+    parallelism (a strategy with a ``context_parallel``)."""
+    sharded = isinstance(strategy, sharded_class)
+    if jagg.fused_rollout and stage == "fit" and sharded:
+        raise ValueError("jagg.fused_rollout must be false under a sharded strategy (FSDP2): the kept graphs "
+                         "would hold every block's gathered weights until the micro-batch ends; not supported yet")
+    context = getattr(strategy, "context_parallel", None) is not None
+    check(policy.compile is None or not (sharded or context), "policy.compile", "null under FSDP2 or context "
+          "parallelism (both wrap or hook the transformer's blocks after they are compiled; not supported yet)",
+          policy.compile)
+
+
 def default_optimizer(params):
     """``model.optimizer: null``: AdamW, lr 1e-4, weight decay 1e-4 (Flow-GRPO's SD3 setting)."""
     return torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4)

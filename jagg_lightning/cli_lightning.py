@@ -62,7 +62,7 @@ from jagg_lightning.state import CheckpointMismatchError
 # model settings an existing checkpoint does not depend on: changing them on resume is safe
 SAFE_ON_RESUME = ("sampling.", "grpo.", "jagg.", "memory.", "evaluation.", "reward", "reward_workers",
                   "policy.guidance_scale", "policy.negative_prompt", "policy.max_sequence_length", "policy.resolution",
-                  "policy.num_frames", "policy.dtype")
+                  "policy.num_frames", "policy.dtype", "policy.compile")
 
 
 import_all_rewards()  # jsonargparse lists and resolves the Reward subclasses it has seen imported

@@ -12,6 +12,7 @@ from typing import Literal
 
 
 from jagg_lightning.checks import check, check_ints, one_of
+from jagg_lightning.compiling import COMPILE_MODES
 from jagg_lightning.dtypes import DTYPES
 from jagg_lightning.estimators import ESTIMATORS
 from jagg_lightning.full_finetune import check_trainable
@@ -31,7 +32,7 @@ class PolicyConfig:
     pretrained: local directory or hub id of the family's pipeline; None builds the family's tiny model.
     lora_rank / lora_alpha / lora_targets: the peft LoRA; lora_targets None = the family's default
         (Flow-GRPO's targets for that family).
-    guidance_scale: the family's guidance: CFG for SD3 (1.0 = off, one forward instead of two), the
+    guidance_scale: the family's guidance: CFG for SD3 (1.0 = off: a forward of n rows, not one of 2n), the
         embedded distilled guidance for FLUX.1-dev.
     resolution: the image size in pixels: ``[height, width]``, or one integer for a square; None = the family's
         native size (:func:`image_size`). Each side must be a multiple of the VAE factor times the patch side.
@@ -51,6 +52,8 @@ class PolicyConfig:
         Wan2.2: ``transformer_2`` loads the ``peft_transformer_2/`` or ``diffusers_transformer_2/`` part beside it.
     seed: a policy built on its own: the tiny model's init (seed) and the LoRA init (seed + 1, + 2 for Wan2.2's
         ``transformer_2``). In a ``JAGGModule`` deprecated: ``model.seed`` (0 here means that root seed).
+    compile: null (eager) or "repeated_blocks": each trained network's repeated block compiled once after the LoRA
+        is injected (:mod:`jagg_lightning.compiling`; a policy built on its own: ``compiling.compile_policy``).
 
     The checks here read nothing but the fields. The family name, the local paths (``pretrained``, ``adapter``:
     found from any directory, :mod:`jagg_lightning.assets`; ``pretrained: digits`` is the shipped test bed) and what a
@@ -77,6 +80,7 @@ class PolicyConfig:
     num_frames: int | None = None
     guidance_scale_2: float | None = None
     adapter: str | None = None
+    compile: str | None = None
 
     def __post_init__(self):
         def integer(name, value, allowed, ok):
@@ -105,6 +109,8 @@ class PolicyConfig:
                 isinstance(t, str) and t for t in self.lora_targets)):
             raise ValueError("policy.lora_targets must be a non-empty list of module names or null (the family's "
                              f"default), got {self.lora_targets!r}")
+        check(self.compile is None or self.compile in COMPILE_MODES, "policy.compile",
+              f"null (eager) or {one_of(COMPILE_MODES)} (torch.compile of each repeated block)", self.compile)
         check_trainable(self, PolicyConfig)
 
 

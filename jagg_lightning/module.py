@@ -25,8 +25,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from jagg_lightning import preemption, state
-from jagg_lightning.checks import check, check_learning_rates, check_optimizer, check_precision, default_optimizer
+from jagg_lightning.checks import (
+    check, check_learning_rates, check_optimizer, check_precision, check_strategy, default_optimizer,
+)
 from jagg_lightning.collectives import Collectives, destroy_process_group_at_exit
+from jagg_lightning.compiling import compile_policy
 from jagg_lightning.config import EvalConfig, GRPOConfig, JAGGConfig, MemoryConfig, SamplingConfig, as_config, check_sections
 from jagg_lightning.conditions import check_data_conditions
 from jagg_lightning.data import unpack_prompt_batch
@@ -179,6 +182,7 @@ class JAGGModule(L.LightningModule):
             attach_reference(self.policy, self.grpo.kl_beta)  # full FT with KL: a frozen copy of the initial weights
             if self.policy_config.gradient_checkpointing:
                 self.policy.enable_gradient_checkpointing()
+            compile_policy(self.policy)  # policy.compile: the repeated blocks, after the LoRA and reference copies
             self.sampler = Sampler(self.policy, self.sampling, self.grpo.kl_beta, self.reward_workers)
             self.updater = Updater(self.policy, self.sampling, self.grpo, self.jagg, self.memory, self.sampler)
         context = getattr(self._trainer.strategy, "context_parallel", None) if self._trainer is not None else None
@@ -213,9 +217,7 @@ class JAGGModule(L.LightningModule):
         destroy_process_group_at_exit()  # Lightning leaves it to interpreter shutdown, where gloo can abort
         check_precision(self.trainer.precision, self.policy_config.dtype)
         check_data_conditions(getattr(self.trainer, "datamodule", None), policy_class(self.policy_config))  # no model yet
-        if self.jagg.fused_rollout and stage == "fit" and isinstance(self.trainer.strategy, ModelParallelStrategy):
-            raise ValueError("jagg.fused_rollout must be false under a sharded strategy (FSDP2): the kept graphs "
-                             "would hold every block's gathered weights until the micro-batch ends; not supported yet")
+        check_strategy(self.trainer.strategy, ModelParallelStrategy, stage, self.jagg, self.policy_config)
 
     def teardown(self, stage: str) -> None:
         if "sampler" in self.__dict__:

@@ -50,20 +50,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from jagg_lightning import context_parallel
+from jagg_lightning.compiling import transformer_blocks
 from jagg_lightning.context_parallel import ContextKind, ContextParallel
 from jagg_lightning.peer_failure import DEFAULT_TIMEOUT_S, CollectiveTimeout
 from jagg_lightning.sharding import full_tensor
-
-
-def transformer_blocks(transformer: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a diffusers transformer: every entry of its ``*blocks`` ModuleLists
-    (``transformer_blocks`` for SD3 and Qwen-Image, plus ``single_transformer_blocks`` for FLUX / FLUX.2), or of
-    Z-Image's ``layers`` and its two ``*_refiner`` lists."""
-    blocks = [m for name, lst in transformer.named_children() if isinstance(lst, nn.ModuleList)
-              and (name.endswith("blocks") or name == "layers" or name.endswith("_refiner")) for m in lst]
-    if not blocks:
-        raise ValueError(f"{type(transformer).__name__} has no '*blocks' ModuleList to shard")
-    return blocks
 
 
 def shard_transformer(transformer: nn.Module, mesh, **options) -> None:

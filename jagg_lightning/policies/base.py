@@ -41,7 +41,8 @@ Contract details the engine relies on:
   Negative / unconditional parts, when ``cfg(guidance)``, are further entries.
 * ``velocity(z, t, cond, guidance)``: ``z`` [n, *latent_shape] in the SDE dtype (float32, float64 in float64
   runs), ``t`` [n] in [0, 1] (time runs 1 -> 0), ``cond`` encoded for the same guidance. It returns v = dz/dt
-  with the guidance applied (SD3: CFG with a second forward; FLUX.1-dev: embedded guidance, one forward), in the
+  with the guidance applied (CFG: both branches in ONE batched forward of 2n rows per network -- a family must
+  keep it so, tests/families/test_cfg_one_batch.py; FLUX.1-dev: embedded guidance, one forward of n), in the
   transformer dtype; the engine upcasts for the SDE. Differentiable w.r.t. the LoRA weights.
 * ``schedule(num_steps, shift=None)``: float32 times t_0 = 1 > ... > t_S = 0 (length S + 1), equal
   to the family pipeline's own scheduler sigmas for that step count and ``resolution`` (override

@@ -1,5 +1,6 @@
 """Stable Diffusion 3 / 3.5: ``SD3Transformer2DModel`` with joint attention, CLIP-L + CLIP-G (+ T5)
-prompt encoding, classifier-free guidance with a second forward, a static-shift flow-match schedule.
+prompt encoding, classifier-free guidance (both branches in one batched forward), a static-shift flow-match
+schedule.
 
 SD3.5 is the same family: its transformer adds ``dual_attention_layers`` (MMDiT-X: a second,
 image-only attention ``attn2`` in the first layers) and ``qk_norm="rms_norm"``; the LoRA targets

@@ -100,6 +100,7 @@ def no_model(monkeypatch):
     (["--model.policy.lora_rank", "2.5"], "model.policy.lora_rank"),
     (["--model.policy.guidance_scale", "0.5"], "policy.guidance_scale must be >= 1.0"),
     (["--model.policy.dtype", "float8"], "policy.dtype must be one of"),
+    (["--model.policy.compile", "full"], "policy.compile must be null (eager) or 'repeated_blocks'"),
     (["--model.policy.resolution", "0"], "policy.resolution must be [height, width] (integers >= 1, pixels)"),
     (["--model.policy.resolution", "-32"], "policy.resolution must be [height, width] (integers >= 1, pixels)"),
     (["--model.policy.resolution", "[480]"], "policy.resolution must be [height, width]"),

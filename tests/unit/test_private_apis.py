@@ -132,3 +132,28 @@ def test_uvicorn_server_still_captures_signals_through_overridable_methods():
         "uvicorn.Server.handle_exit changed: serve-reward records its stop signal there (rewards/server.py)")
     assert "self.handle_exit" in inspect.getsource(uvicorn.Server.capture_signals), (
         "uvicorn.Server.capture_signals no longer installs handle_exit: serve-reward's Ctrl-C (rewards/server.py)")
+
+
+def test_torch_keeps_what_regional_compilation_reads():
+    """compiling.py raises ``torch._dynamo.config.recompile_limit`` (every block of a class shares one cache whose
+    default of 8 entries the grad / adapter-off / block-shape variants exceed: past it torch runs blocks eagerly),
+    reads ``torch._dynamo.utils.counters`` (``compile_counts``: the no-recompilation check and the benchmark) and
+    ``nn.Module._compiled_call_impl`` (``is_compiled``: what ``nn.Module.compile`` sets, in place, no ``_orig_mod``)."""
+    from torch import nn
+    from torch._dynamo.utils import counters
+
+    from jagg_lightning.compiling import compile_counts, is_compiled
+
+    assert isinstance(torch._dynamo.config.recompile_limit, int), \
+        "torch renamed torch._dynamo.config.recompile_limit: compiling.compile_policy raises it"
+    before = compile_counts()
+    layer = nn.Linear(2, 2)
+    assert not is_compiled(layer)
+    layer.compile(backend="eager")  # dynamo alone (no inductor): the counters and the in-place call are what is read
+    assert is_compiled(layer), "nn.Module.compile no longer sets _compiled_call_impl: compiling.is_compiled reads it"
+    layer(torch.randn(3, 2))
+    after = compile_counts()
+    assert after["frames"] > before["frames"] and after["compiled"] > before["compiled"], \
+        "torch._dynamo.utils.counters changed: compiling.compile_counts reads frames/total, frames/ok, stats/unique_graphs"
+    assert after["graphs"] > before["graphs"] and "frames" in counters
+    assert [n for n, _ in layer.named_parameters()] == ["weight", "bias"]  # compiled in place: names unchanged
