@@ -61,6 +61,9 @@ SETTINGS = {
     "3 anchors fused": ({}, dict(window_size=3, chained=True, jagg_frac=1.0, fused_rollout=True)),
     "W=5 control variate": ({}, dict(window_size=5, jagg_frac=1.0, fused_rollout=False, estimator="control_variate",
                                      control_p=0.5)),
+    # does routing recover W = 4's judge loss (issue 29)? jagg_frac 0.5: of the two full windows (0..3) (4..7) the one
+    # with the smaller interpolation residual is routed, the other trained exactly (its interiors kept in the fused mode)
+    "W=4 fused, half routed": ({}, dict(window_size=4, jagg_frac=0.5, fused_rollout=True)),
     # the cheaper rollout on the shipped job (issue 29, deliverable 2: MixGRPO-Flash): the ODE tail after the 4 trained
     # steps in 2 DPM-Solver++(2M) steps instead of 6 Euler ones; the trained steps' policy unchanged
     "exact, 2M tail n=2": (dict(ode_solver="dpmpp_2m", ode_steps=2), dict(jagg_frac=0.0, fused_rollout=False)),

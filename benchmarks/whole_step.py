@@ -22,6 +22,12 @@ Not a test: run it by hand:
     python benchmarks/whole_step.py --model 14m --repeats 3 [--kl-beta 0.04]
     python benchmarks/whole_step.py --model wan --only exact W=4 --repeats 3   # the video twin
     python benchmarks/whole_step.py --model 14m --only exact W=4 --compile --repeats 2
+    python benchmarks/whole_step.py --model 14m --only exact W=4 --trained 4 --steps 15 --flash 2 --repeats 3
+
+``--trained T`` trains the first T of the sampling steps and samples the rest as an ODE tail (``trained_steps`` with
+``ode_after_trained``: Flow-GRPO-Fast / the digits job's shape); ``--flash n`` then runs every configuration also
+with that tail in n DPM-Solver++(2M) steps (``sampling.ode_steps`` / ``ode_solver``: MixGRPO-Flash, docs/method.md
+section 7), side by side.
 
 ``--compile`` runs every configuration twice, eager and with ``policy.compile: repeated_blocks`` (each transformer
 block compiled by inductor, docs/method.md section 7), side by side. The timed step is the second, after every
@@ -112,7 +118,9 @@ def child(args) -> None:
                      compile="repeated_blocks" if args.compiled else None,
                      **({"trainable": "full"} if args.full else {"lora_rank": 8, "lora_alpha": 16}),
                      **({"family": "wan", "num_frames": WAN_FRAMES, "resolution": WAN_RESOLUTION} if video else {})),
-        SamplingConfig(num_steps=args.steps + 1, group_size=args.samples // 2, rollout_batch_size=args.samples),
+        SamplingConfig(num_steps=args.steps + 1, group_size=args.samples // 2, rollout_batch_size=args.samples,
+                       **({"trained_steps": args.trained, "ode_after_trained": True} if args.trained else {}),
+                       **({"ode_steps": args.flashed, "ode_solver": "dpmpp_2m"} if args.flashed else {})),
         GRPOConfig(train_batch_size=args.samples, kl_beta=args.kl_beta, adv_std="group"),  # as measured; fused needs it
         JAGGConfig(**({"window_size": 4} | (CONFIGS | KL_CONFIGS)[args.config] | {"fused_rollout": args.fused})),
         reward=reward,
@@ -198,11 +206,18 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", help="only these configurations (names as in the table)")
     parser.add_argument("--compile", action="store_true",
                         help="each configuration eager and with policy.compile: repeated_blocks, side by side")
+    parser.add_argument("--trained", type=int, default=None,
+                        help="train only the first T sampling steps, the rest an ODE tail (default: every SDE step)")
+    parser.add_argument("--flash", type=int, default=None,
+                        help="with --trained: each configuration also with the tail in n DPM-Solver++(2M) steps")
+    parser.add_argument("--flashed", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--fused", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--pretrained", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.flash is not None and not args.trained:
+        parser.error("--flash needs --trained (an ODE tail to shorten)")
     if args.config:
         return child(args)
 
@@ -213,17 +228,20 @@ def main() -> None:
             (build_14m if args.model == "14m" else build_wan)(Path(pretrained))
         names = list(CONFIGS) + (list(KL_CONFIGS) if args.kl_beta > 0 else [])
         names = [n for n in names if args.only is None or n in args.only]
-        runs = [(name, fused, compiled) for name in names for fused in (False, True)
-                for compiled in ((False, True) if args.compile else (False,))]
+        runs = [(name, fused, compiled, flashed) for name in names for fused in (False, True)
+                for compiled in ((False, True) if args.compile else (False,))
+                for flashed in ((None, args.flash) if args.flash else (None,))]
         results = {run: [] for run in runs}
         for repeat in range(args.repeats):
-            for name, fused, compiled in runs:
+            for name, fused, compiled, flashed in runs:
                 cmd = [sys.executable, __file__, "--config", name, "--model", args.model, "--samples", str(args.samples),
                        "--steps",
                        str(args.steps), "--guidance", str(args.guidance), "--kl-beta", str(args.kl_beta)]
                 cmd += ["--fused"] if fused else []
                 cmd += ["--full"] if args.full else []
                 cmd += ["--compiled"] if compiled else []
+                cmd += ["--trained", str(args.trained)] if args.trained else []
+                cmd += ["--flashed", str(flashed)] if flashed else []
                 cmd += ["--pretrained", pretrained] if pretrained else []
                 env = os.environ | {"OMP_NUM_THREADS": "1"}
                 if compiled:  # an empty inductor cache per process (the cold compile a fresh job pays), compiled in
@@ -233,39 +251,47 @@ def main() -> None:
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
                 if out.returncode or not line:
-                    raise SystemExit(f"{name} fused={fused} compiled={compiled} failed:\n{out.stderr[-3000:]}")
-                results[(name, fused, compiled)].append(json.loads(line[0][len("RESULT "):]))
+                    raise SystemExit(f"{name} fused={fused} compiled={compiled} flash={flashed} failed:\n"
+                                     f"{out.stderr[-3000:]}")
+                results[(name, fused, compiled, flashed)].append(json.loads(line[0][len("RESULT "):]))
     report(args, results)
     if args.json:
         args.json.write_text(json.dumps({label(*run): r for run, r in results.items()}, indent=1))
 
 
-def label(name: str, fused: bool, compiled: bool) -> str:
-    return f"{name} {'fused' if fused else 'unfused'}{' compiled' if compiled else ''}"
+def label(name: str, fused: bool, compiled: bool, flashed: int | None = None) -> str:
+    flash = f", 2M tail n={flashed}" if flashed else ""
+    return f"{name} {'fused' if fused else 'unfused'}{' compiled' if compiled else ''}{flash}"
 
 
 def report(args, results) -> None:
     import torch
 
-    base = statistics.median(r["cpu"] for r in results[("exact", False, False)])
-    print(f"{args.model}: {args.samples} samples, {args.steps} trained steps, kl_beta {args.kl_beta}, guidance "
+    base = statistics.median(r["cpu"] for r in results[("exact", False, False, None)])
+    trained = f"{args.trained} of {args.steps + 1} sampling steps trained" if args.trained else \
+        f"{args.steps} trained steps"
+    print(f"{args.model}: {args.samples} samples, {trained}, kl_beta {args.kl_beta}, guidance "
           f"{args.guidance}, torch {torch.__version__}, 1 thread, {args.repeats} repeats (one process each)")
     head = " | ".join(f"{p} %" for p in PHASES)
     extra = " vs eager | first step CPU s | compiles per step |" if args.compile else ""
+    extra += " vs exact, same sampler |" if args.flash else ""
     print(f"| configuration | CPU s min | CPU s median | wall s median | vs exact |{extra} {head} | backward | grad fwd "
           f"| fused fwd | ref fwd | activation peak MB |")
-    print("|" + "---|" * (10 + len(PHASES) + (3 if args.compile else 0)))
-    for (name, fused, compiled), rs in results.items():
+    print("|" + "---|" * (10 + len(PHASES) + (3 if args.compile else 0) + (1 if args.flash else 0)))
+    for (name, fused, compiled, flashed), rs in results.items():
         cpu = sorted(r["cpu"] for r in rs)
         med = statistics.median(cpu)
         shares = " | ".join(f"{100 * statistics.median(r['phases'][p] / r['cpu'] for r in rs):.0f}" for p in PHASES)
         p = rs[0]["passes"]
         columns = ""
         if args.compile:
-            eager = statistics.median(r["cpu"] for r in results[(name, fused, False)])
+            eager = statistics.median(r["cpu"] for r in results[(name, fused, False, flashed)])
             first = statistics.median(r["first_step_cpu"] for r in rs)  # with the compiler's child processes
             columns = f" {med / eager:.2f} | {first:.1f} | {'/'.join(str(c) for c in rs[0]['compiles'])} |"
-        print(f"| {name}{' fused' if fused else ''}{' compiled' if compiled else ''} | {cpu[0]:.3f} | {med:.3f} | "
+        if args.flash:  # against exact with the same sampler (the same tail)
+            columns += f" {med / statistics.median(r['cpu'] for r in results[('exact', False, compiled, flashed)]):.2f} |"
+        flash = f", 2M tail n={flashed}" if flashed else ""
+        print(f"| {name}{' fused' if fused else ''}{' compiled' if compiled else ''}{flash} | {cpu[0]:.3f} | {med:.3f} | "
               f"{statistics.median(r['wall'] for r in rs):.3f} | {med / base:.2f} |{columns} {shares} | "
               f"{p.get('backward', 0):.0f} | {p.get('grad_forward', 0):.0f} | {p.get('fused_forward', 0):.0f} | "
               f"{p.get('reference_forward', 0):.0f} | {statistics.median(r['activation_peak_mb'] for r in rs):.2f} |")

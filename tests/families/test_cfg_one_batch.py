@@ -1,5 +1,5 @@
 """Classifier-free guidance runs the conditional and unconditional branches as ONE batched transformer forward: in
-every family's ``velocity`` (one call of 2B rows per network, equal in float64 to the two-call reference
+every family's ``velocity`` (the image-to-video ones with their first frame in both branches) (one call of 2B rows per network, equal in float64 to the two-call reference
 v_u + w (v_c - v_u)), and everywhere a training run calls it on the tiny SD3 twin (rollout, KL reference, update
 passes, evaluation): each velocity call makes exactly one transformer call, of twice its rows."""
 
@@ -12,6 +12,7 @@ from jagg_lightning.data import PromptDataModule
 from jagg_lightning.policies import build_policy
 from jagg_lightning.policies.base import Guidance
 
+from family_cases import CONDITIONED_PROMPTS
 from helpers import randomize_lora_b, rel_error, tiny_policy_config
 
 PROMPTS = ["a red cat", "a small dog on green grass"]
@@ -25,7 +26,11 @@ FAMILIES = {
     "z_image": dict(lora_targets=None, max_sequence_length=32, guidance_scale=4.0),
     "wan": WAN,
     "wan22": WAN | dict(guidance_scale_2=3.0),
+    # image-to-video: the first frame rides with each branch (Wan2.1 I2V: its CLIP tokens and latent channels)
+    "wan_i2v": dict(lora_targets=None, max_sequence_length=512, resolution=32, num_frames=9, guidance_scale=5.0),
+    "wan22_ti2v": dict(lora_targets=None, max_sequence_length=16, resolution=32, num_frames=9, guidance_scale=5.0),
 }
+CONDITIONED = {"wan_i2v", "wan22_ti2v"}  # prompts with a source image each
 
 
 class TransformerCalls:
@@ -44,12 +49,20 @@ class TransformerCalls:
             handle.remove()
 
 
+def branches(family, cond):
+    """(the conditional, the unconditional) unguided conditions: the negative entries are the second half of
+    ``cond``; an image-to-video condition is (text, negative text, *the image's entries), both branches with the image."""
+    if family in CONDITIONED:
+        return (cond[0], *cond[2:]), (cond[1], *cond[2:])
+    return cond[: len(cond) // 2], cond[len(cond) // 2:]
+
+
 def two_call_reference(policy, family, z, t, cond, guidance):
-    """v_u + w (v_c - v_u) from two unguided calls, one per branch (the negative entries are the second half of
-    ``cond``); Wan2.2: each sample's expert's scale; Qwen-Image: the pipeline's norm rescale after it."""
-    off, half = Guidance(1.0), len(cond) // 2
-    v_c = policy.velocity(z, t, cond[:half], off).to(torch.float64)
-    v_u = policy.velocity(z, t, cond[half:], off).to(torch.float64)
+    """v_u + w (v_c - v_u) from two unguided calls, one per branch; Wan2.2: each sample's expert's scale;
+    Qwen-Image: the pipeline's norm rescale after it."""
+    off, (positive, negative) = Guidance(1.0), branches(family, cond)
+    v_c = policy.velocity(z, t, positive, off).to(torch.float64)
+    v_u = policy.velocity(z, t, negative, off).to(torch.float64)
     w = torch.full((z.shape[0],), guidance.scale, dtype=torch.float64)
     if family == "wan22":
         w = torch.where(policy.high_noise(t), w, torch.full_like(w, guidance.scale_2))
@@ -68,7 +81,7 @@ def test_cfg_is_one_batched_forward_equal_to_two_calls(family, rng_seed):
         randomize_lora_b(network, torch.Generator().manual_seed(seed + i))
     guidance = policy.guidance()
     assert policy.cfg(guidance) and policy.guided
-    cond = policy.encode_prompts(PROMPTS, guidance)
+    cond = policy.encode_prompts(CONDITIONED_PROMPTS if family in CONDITIONED else PROMPTS, guidance)
     gen = torch.Generator().manual_seed(seed)
     z = torch.randn(2, *policy.latent_shape, generator=gen, dtype=torch.float64)
     t = torch.rand(2, generator=gen, dtype=torch.float64)
@@ -92,7 +105,7 @@ def test_cfg_is_one_batched_forward_equal_to_two_calls(family, rng_seed):
         assert rel_error([v.to(torch.float64)], [reference]) < 1e-12
         # and the guidance matters: the conditional branch alone is another velocity
         with torch.no_grad():
-            v_c = policy.velocity(z, times, cond[: len(cond) // 2], Guidance(1.0))
+            v_c = policy.velocity(z, times, branches(family, cond)[0], Guidance(1.0))
         assert rel_error([v_c.to(torch.float64)], [reference]) > 1e-6
 
 
