@@ -1,5 +1,5 @@
 """Classifier-free guidance runs the conditional and unconditional branches as ONE batched transformer forward: in
-every family's ``velocity`` (the image-to-video ones with their first frame in both branches) (one call of 2B rows per network, equal in float64 to the two-call reference
+every family's ``velocity`` (the image-to-video and editing ones with their source in both branches) (one call of 2B rows per network, equal in float64 to the two-call reference
 v_u + w (v_c - v_u)), and everywhere a training run calls it on the tiny SD3 twin (rollout, KL reference, update
 passes, evaluation): each velocity call makes exactly one transformer call, of twice its rows."""
 
@@ -29,8 +29,10 @@ FAMILIES = {
     # image-to-video: the first frame rides with each branch (Wan2.1 I2V: its CLIP tokens and latent channels)
     "wan_i2v": dict(lora_targets=None, max_sequence_length=512, resolution=32, num_frames=9, guidance_scale=5.0),
     "wan22_ti2v": dict(lora_targets=None, max_sequence_length=16, resolution=32, num_frames=9, guidance_scale=5.0),
+    # image editing with true CFG: the source's tokens in both branches
+    "qwen_image_edit": dict(lora_targets=None, negative_prompt=" ", resolution=64, guidance_scale=4.0),
 }
-CONDITIONED = {"wan_i2v", "wan22_ti2v"}  # prompts with a source image each
+CONDITIONED = {"wan_i2v", "wan22_ti2v", "qwen_image_edit"}  # prompts with a source image each
 
 
 class TransformerCalls:
@@ -52,6 +54,8 @@ class TransformerCalls:
 def branches(family, cond):
     """(the conditional, the unconditional) unguided conditions: the negative entries are the second half of
     ``cond``; an image-to-video condition is (text, negative text, *the image's entries), both branches with the image."""
+    if family == "qwen_image_edit":  # (embeds, mask, negative embeds, negative mask, source tokens)
+        return (*cond[:2], *cond[4:]), (*cond[2:4], *cond[4:])
     if family in CONDITIONED:
         return (cond[0], *cond[2:]), (cond[1], *cond[2:])
     return cond[: len(cond) // 2], cond[len(cond) // 2:]
@@ -67,15 +71,20 @@ def two_call_reference(policy, family, z, t, cond, guidance):
     if family == "wan22":
         w = torch.where(policy.high_noise(t), w, torch.full_like(w, guidance.scale_2))
     v = v_u + w.view(-1, *[1] * (z.dim() - 1)) * (v_c - v_u)
-    if family == "qwen_image":
+    if family in ("qwen_image", "qwen_image_edit"):
         norm = torch.linalg.vector_norm
         v = v * (norm(v_c, dim=-1, keepdim=True) / norm(v, dim=-1, keepdim=True))
     return v
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_cfg_is_one_batched_forward_equal_to_two_calls(family, rng_seed):
+def test_cfg_is_one_batched_forward_equal_to_two_calls(family, rng_seed, monkeypatch):
     seed = rng_seed % 10_000
+    if family == "qwen_image_edit":  # its sources at 128 x 128 instead of ~1024 x 1024 (test_family_qwen_image_edit)
+        from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit
+
+        original = edit.calculate_dimensions
+        monkeypatch.setattr(edit, "calculate_dimensions", lambda area, ratio: original(128 * 128, ratio))
     policy = build_policy(tiny_policy_config(family=family, dtype="float64", seed=seed, **FAMILIES[family]))
     for i, network in enumerate(policy.trained_networks().values()):  # both LoRA factors nonzero
         randomize_lora_b(network, torch.Generator().manual_seed(seed + i))
