@@ -138,7 +138,7 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     settings = yaml.safe_load(Path(args.config).read_text())
     data = settings["data"]
-    prompts = read_prompts(ROOT / data["prompts_file"]) if "prompts_file" in data else list(data["prompts"])
+    prompts = read_prompts(data["prompts_file"]) if "prompts_file" in data else list(data["prompts"])  # a shipped name too
     reward = DigitReward()
     eval_prompts = digit_prompts(HELDOUT_TEMPLATES)[: args.eval_prompts]
     configs = {name: CONFIGS[name] for name in args.configs}

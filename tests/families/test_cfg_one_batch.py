@@ -1,6 +1,6 @@
 """Classifier-free guidance runs the conditional and unconditional branches as ONE batched transformer forward: in
-every family's ``velocity`` (the image-to-video and editing ones with their source in both branches) (one call of 2B rows per network, equal in float64 to the two-call reference
-v_u + w (v_c - v_u)), and everywhere a training run calls it on the tiny SD3 twin (rollout, KL reference, update
+every family's ``velocity`` (one call of 2B rows per network, equal in float64 to the two-call reference
+v_u + w (v_c - v_u); the image-to-video and editing families with their source in both branches), and everywhere a training run calls it on the tiny SD3 twin (rollout, KL reference, update
 passes, evaluation): each velocity call makes exactly one transformer call, of twice its rows."""
 
 import lightning as L
