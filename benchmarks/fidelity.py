@@ -221,6 +221,14 @@ def summarise(runs: list[dict], names: list[str], args) -> dict:
                 "spearman_residual": spearman([f["residual"] for f in sel], [f["rel_error"] for f in sel]),
                 "spearman_cosine_rule": spearman([f["cosine_rule"] for f in sel], [f["rel_error"] for f in sel]),
             }
+    by_window = {}  # where the error sits: per window (its steps: the noise levels it spans)
+    for f in fidelity_rows:
+        by_window.setdefault(f"W={f['W']} {'chained' if f['chained'] else 'disjoint'} {tuple(f['steps'])}", []).append(f)
+    fidelity["by_window"] = {key: {"windows": len(v), "cosine_mean": _nanmean([f["cosine"] for f in v]),
+                                   "cosine_min": min(f["cosine"] for f in v),
+                                   "rel_error_mean": _nanmean([f["rel_error"] for f in v]),
+                                   "residual_mean": _nanmean([f["residual"] for f in v])}
+                             for key, v in by_window.items()}
     if fidelity_rows:
         fidelity["all"] = {
             "windows": len(fidelity_rows),
@@ -290,7 +298,7 @@ def tables(result: dict) -> str:
     lines += ["", "| windows | n | cosine mean (min) | rel. error mean (median) | Spearman(residual, error) | "
               "Spearman(cosine rule, error) | rel. error by training step |", "|---|---|---|---|---|---|---|"]
     for name, f in s["fidelity"].items():
-        if name == "all":
+        if name in ("all", "by_window"):
             continue
         steps = ", ".join(f"{k}: {v['rel_error_mean']:.3f}" for k, v in f["by_train_step"].items())
         lines.append(f"| {name} | {f['windows']} | {f['cosine_mean']:.4f} ({f['cosine_min']:.3f}) | "
@@ -299,6 +307,10 @@ def tables(result: dict) -> str:
     if "all" in s["fidelity"]:
         a = s["fidelity"]["all"]
         lines.append(f"| all pooled | {a['windows']} | | | {a['spearman_residual']:.2f} | {a['spearman_cosine_rule']:.2f} | |")
+    lines += ["", "| window (its steps) | n | cosine mean (min) | rel. error mean | residual mean |", "|---|---|---|---|---|"]
+    for name, f in s["fidelity"].get("by_window", {}).items():
+        lines.append(f"| {name} | {f['windows']} | {f['cosine_mean']:.4f} ({f['cosine_min']:.3f}) | "
+                     f"{f['rel_error_mean']:.3f} | {f['residual_mean']:.3f} |")
     return "\n".join(lines)
 
 
@@ -315,6 +327,8 @@ def parse_args(argv=None):
     parser.add_argument("--eval-prompts", type=int, default=None, help="first N held-out prompts (default all 30)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--name", default="fidelity.json", help="the raw JSON's file name under --out (the plot: "
+                        "the same stem, .png)")
     parser.add_argument("--replot", default=None, help="a saved fidelity.json: summarise and plot it again, no runs")
     return parser.parse_args(argv)
 
@@ -328,10 +342,11 @@ def main(argv=None) -> dict:
         result = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fidelity.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, out / "fidelity.png")
+    raw, picture = out / args.name, out / f"{Path(args.name).stem}.png"
+    raw.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, picture)
     print(tables(result))
-    print(f"total {result['total_wall_s']:.0f} s wall; wrote {out / 'fidelity.json'} and {out / 'fidelity.png'}")
+    print(f"total {result['total_wall_s']:.0f} s wall; wrote {raw} and {picture}")
     return result
 
 
