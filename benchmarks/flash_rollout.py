@@ -50,6 +50,8 @@ SETTINGS = {
     "exact fused": ({}, dict(jagg_frac=0.0, fused_rollout=True)),
     "W=5": ({}, dict(window_size=5, jagg_frac=1.0, fused_rollout=False)),
     "W=5 fused": ({}, dict(window_size=5, jagg_frac=1.0, fused_rollout=True)),
+    # routing on W = 4 (time_to_quality.py's "W=4 fused, half routed"): one of the two full windows trained exactly
+    "W=4 fused, half routed": ({}, dict(window_size=4, jagg_frac=0.5, fused_rollout=True)),
 }
 
 
