@@ -224,11 +224,10 @@ def summarise(runs: list[dict], names: list[str], args) -> dict:
     by_window = {}  # where the error sits: per window (its steps: the noise levels it spans)
     for f in fidelity_rows:
         by_window.setdefault(f"W={f['W']} {'chained' if f['chained'] else 'disjoint'} {tuple(f['steps'])}", []).append(f)
-    fidelity["by_window"] = {key: {"windows": len(v), "cosine_mean": _nanmean([f["cosine"] for f in v]),
-                                   "cosine_min": min(f["cosine"] for f in v),
-                                   "rel_error_mean": _nanmean([f["rel_error"] for f in v]),
-                                   "residual_mean": _nanmean([f["residual"] for f in v])}
-                             for key, v in by_window.items()}
+    windows = {key: {"windows": len(v), "cosine_mean": _nanmean([f["cosine"] for f in v]),
+                     "cosine_min": min(f["cosine"] for f in v), "rel_error_mean": _nanmean([f["rel_error"] for f in v]),
+                     "residual_mean": _nanmean([f["residual"] for f in v])}
+               for key, v in by_window.items()}
     if fidelity_rows:
         fidelity["all"] = {
             "windows": len(fidelity_rows),
@@ -236,7 +235,7 @@ def summarise(runs: list[dict], names: list[str], args) -> dict:
             "spearman_cosine_rule": spearman([f["cosine_rule"] for f in fidelity_rows],
                                              [f["rel_error"] for f in fidelity_rows]),
         }
-    return {"curves": curves, "fidelity": fidelity, "smoothing_steps": width}
+    return {"curves": curves, "fidelity": fidelity, "fidelity_by_window": windows, "smoothing_steps": width}
 
 
 def _nanmean(values) -> float:
@@ -298,7 +297,7 @@ def tables(result: dict) -> str:
     lines += ["", "| windows | n | cosine mean (min) | rel. error mean (median) | Spearman(residual, error) | "
               "Spearman(cosine rule, error) | rel. error by training step |", "|---|---|---|---|---|---|---|"]
     for name, f in s["fidelity"].items():
-        if name in ("all", "by_window"):
+        if name == "all":
             continue
         steps = ", ".join(f"{k}: {v['rel_error_mean']:.3f}" for k, v in f["by_train_step"].items())
         lines.append(f"| {name} | {f['windows']} | {f['cosine_mean']:.4f} ({f['cosine_min']:.3f}) | "
@@ -308,7 +307,7 @@ def tables(result: dict) -> str:
         a = s["fidelity"]["all"]
         lines.append(f"| all pooled | {a['windows']} | | | {a['spearman_residual']:.2f} | {a['spearman_cosine_rule']:.2f} | |")
     lines += ["", "| window (its steps) | n | cosine mean (min) | rel. error mean | residual mean |", "|---|---|---|---|---|"]
-    for name, f in s["fidelity"].get("by_window", {}).items():
+    for name, f in s.get("fidelity_by_window", {}).items():
         lines.append(f"| {name} | {f['windows']} | {f['cosine_mean']:.4f} ({f['cosine_min']:.3f}) | "
                      f"{f['rel_error_mean']:.3f} | {f['residual_mean']:.3f} |")
     return "\n".join(lines)

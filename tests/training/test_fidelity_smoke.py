@@ -43,3 +43,6 @@ def _run_smoke(tmp_path):
         assert -1 - 1e-9 <= row["cosine"] <= 1 + 1e-9 and row["rel_error"] >= 0
     for name, f in saved["summary"]["fidelity"].items():
         assert f["windows"] > 0, name
+    by_window = saved["summary"]["fidelity_by_window"]  # per window: its steps in its name, every row counted once
+    assert sum(f["windows"] for f in by_window.values()) == len(rows)
+    assert all(0 <= f["rel_error_mean"] and -1 - 1e-9 <= f["cosine_min"] <= 1 + 1e-9 for f in by_window.values())
