@@ -7,7 +7,7 @@ import dataclasses
 
 from jagg_lightning.memory_plan.plan import GiB, MemoryPlan, plan_memory
 
-CONTEXT_FAMILIES = ("wan", "flux", "flux2", "flux2_dev", "qwen_image")  # a _cp_plan in diffusers
+CONTEXT_FAMILIES = ("wan", "flux", "flux_kontext", "flux2", "flux2_dev", "qwen_image")  # a _cp_plan in diffusers
 
 
 def _fits(plan: MemoryPlan) -> str:

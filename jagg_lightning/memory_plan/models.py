@@ -94,7 +94,8 @@ def shipped_spec(folder: Path, hub_id: str | None = None) -> ModelSpec:
         published=spec.get("published_transformer", ""))
 
 
-FAMILY_OF_PIPELINE = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "Flux2KleinPipeline": "flux2",
+FAMILY_OF_PIPELINE = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext",
+                      "Flux2KleinPipeline": "flux2",
                       "Flux2Pipeline": "flux2_dev", "QwenImagePipeline": "qwen_image", "WanPipeline": "wan"}
 
 
@@ -168,7 +169,7 @@ def twin_spec(family: str) -> ModelSpec:
 
 
 # the families jagg plan sizes (shapes.geometry); a named other one is refused before anything is read
-PLANNED_FAMILIES = ("sd3", "flux", "flux2", "flux2_dev", "qwen_image", "wan", "wan22")
+PLANNED_FAMILIES = ("sd3", "flux", "flux_kontext", "flux2", "flux2_dev", "qwen_image", "wan", "wan22")
 
 
 def model_spec(policy) -> ModelSpec:

@@ -112,7 +112,7 @@ def _bytes(params) -> int:
 def guided(spec: ModelSpec, policy, sampling) -> bool:
     """Whether the training velocity takes both CFG branches (the family's ``cfg`` of the training guidance)."""
     scale = sampling.train_guidance_scale if sampling.train_guidance_scale is not None else policy.guidance_scale
-    if spec.family in ("flux", "flux2_dev"):  # embedded guidance: one forward
+    if spec.family in ("flux", "flux_kontext", "flux2_dev"):  # embedded guidance: one forward
         return False
     if spec.family == "flux2":
         return scale > 1.0 and not spec.distilled
@@ -249,7 +249,11 @@ def layout(spec, setup, geo, policy, sampling, grpo, jagg, memory, prompts, trac
                     + (", reference velocities" if grpo.kl_beta > 0 else "")))
     text_dim = spec.transformer.get("joint_attention_dim") or spec.transformer.get("text_dim") or 0
     cond = n * traced["rows_per_sample"] * geo.text * text_dim * dtype.itemsize
-    rows.append(Row("prompt condition", cond, f"{geo.text} tokens x {text_dim} per sample and branch"))
+    what = f"{geo.text} tokens x {text_dim} per sample and branch"
+    if spec.family == "flux_kontext":  # the source's packed latent tokens travel with each sample's condition
+        cond += n * geo.tokens // 2 * spec.transformer["in_channels"] * dtype.itemsize
+        what += f", and the source's {geo.tokens // 2} tokens x {spec.transformer['in_channels']}"
+    rows.append(Row("prompt condition", cond, what))
     resident = sum(r.bytes for r in rows)
 
     windows = routed_windows(sampling, jagg, wan_expert_starts(spec, sampling))

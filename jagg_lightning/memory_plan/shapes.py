@@ -38,6 +38,8 @@ def geometry(family: str, config: dict, spatial: int, temporal: int, size: tuple
         return Geometry(family, (c, h, w), (h // p) * (w // p), text, (h // p, w // p))
     if family == "flux":  # 2x2-packed latents, 1x1 patches
         return Geometry(family, (c // 4, h, w), (h // 2) * (w // 2), text, (h // 2, w // 2))
+    if family == "flux_kontext":  # FLUX.1's, plus the source's tokens after the latent's (fitted to the same size)
+        return Geometry(family, (c // 4, h, w), 2 * (h // 2) * (w // 2), text, (h // 2, w // 2))
     if family in ("flux2", "flux2_dev"):  # the 2x2 patchified latent is the SDE's
         return Geometry(family, (c, h // 2, w // 2), (h // 2) * (w // 2), text, (h // 2, w // 2))
     if family == "qwen_image":  # packed tokens [S, 4C]
@@ -48,7 +50,7 @@ def geometry(family: str, config: dict, spatial: int, temporal: int, size: tuple
         grid = (f // p[0], h // p[1], w // p[2])
         return Geometry(family, (c, f, h, w), grid[0] * grid[1] * grid[2], text, grid)
     raise ValueError(f"jagg plan: family {family!r} has no memory plan yet "
-                     "(planned: sd3, flux, flux2, flux2_dev, qwen_image, wan)")
+                     "(planned: sd3, flux, flux_kontext, flux2, flux2_dev, qwen_image, wan)")
 
 
 def transformer_inputs(geo: Geometry, config: dict, batch: int, dtype: torch.dtype) -> dict:
@@ -61,7 +63,7 @@ def transformer_inputs(geo: Geometry, config: dict, batch: int, dtype: torch.dty
         return dict(hidden_states=torch.zeros(n, *geo.latent, dtype=dtype), timestep=t * 1000,
                     encoder_hidden_states=torch.zeros(n, geo.text, config["joint_attention_dim"], dtype=dtype),
                     pooled_projections=torch.zeros(n, config["pooled_projection_dim"], dtype=dtype), return_dict=False)
-    if f == "flux":
+    if f in ("flux", "flux_kontext"):  # Kontext: geo.tokens counts the latent's and the source's
         return dict(hidden_states=torch.zeros(n, geo.tokens, config["in_channels"], dtype=dtype), timestep=t,
                     guidance=torch.full((n,), 3.5) if config.get("guidance_embeds") else None,
                     pooled_projections=torch.zeros(n, config["pooled_projection_dim"], dtype=dtype),

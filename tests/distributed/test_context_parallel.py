@@ -1,9 +1,9 @@
 """Context parallelism through diffusers' engine, through the CLI on CPU processes (gloo, Ulysses): ``jagg fit`` with
 ``trainer.strategy.context_parallel_size 2`` is the one-process run, float64, on the Wan2.1 and FLUX.1 twins, JAGG
 routed (KL on, global std) and fused, under DDP and FSDP2 -- the same LoRA update after two optimizer steps, the same
-logged metrics and evaluation, the context ranks identical -- on Wan2.2 TI2V too (image-to-video: the first frame's
-latent and its zero timesteps split with the video tokens) -- and data 2 x context 2 on 4 processes is one process on
-twice the prompts. A family without a ``_cp_plan`` (SD3) and ring attention on diffusers' native SDPA are refused
+logged metrics and evaluation, the context ranks identical -- on Wan2.2 TI2V (image-to-video: the first frame's latent
+and its zero timesteps split with the video tokens) and FLUX.1 Kontext (editing: the source's tokens split with the
+latent's) -- and data 2 x context 2 on 4 processes is one process on twice the prompts. A family without a ``_cp_plan`` (SD3) and ring attention on diffusers' native SDPA are refused
 with one line each.
 
 One launch per process count runs every case (``cli_main`` again and again in the same ranks, as ``jagg fit``
@@ -37,8 +37,10 @@ FAMILIES = {  # preset, the policy and the reward at twin scale in float64
     # per-token timesteps (0 on the image's frame) split with them
     "wan22_ti2v": ("wan22_ti2v_tiny.yaml", {"dtype": "float64", "resolution": 64, "num_frames": 9},
                    {"class_path": "jagg_lightning.rewards.FrameReward", "init_args": {"reward": FLOAT64_JPEG, "frames": 3}}),
+    # image editing: the source's tokens after the latent's (8 + 8 image tokens), split together with their ids
+    "flux_kontext": ("flux_kontext_tiny.yaml", {"dtype": "float64"}, FLOAT64_JPEG),
 }
-CONDITIONED = {"wan22_ti2v"}  # trained on configs/prompts/edits (prompt + first frame), the others on PROMPTS
+CONDITIONED = {"wan22_ti2v", "flux_kontext"}  # trained on configs/prompts/edits (prompt + source), the rest on PROMPTS
 # name -> (family, strategy, model overrides, with evaluation)
 CASES_2 = {
     "wan-routed-fsdp2": ("wan", FSDP2, {"jagg": {"jagg_frac": 0.5}}, True),
@@ -47,6 +49,7 @@ CASES_2 = {
     "flux-fused-ddp": ("flux", DDP, {"jagg": {"jagg_frac": 1.0, "fused_rollout": True}, "grpo": {"adv_std": "group"}}, False),
     "flux2-routed-ddp": ("flux2", DDP, {"jagg": {"jagg_frac": 0.5}}, False),  # our plan: [seq, 4] position ids
     "ti2v-routed-ddp": ("wan22_ti2v", DDP, {"jagg": {"jagg_frac": 0.5}}, False),
+    "kontext-routed-ddp": ("flux_kontext", DDP, {"jagg": {"jagg_frac": 0.5}}, False),
 }
 CASES_4 = {
     "wan-routed-ddp": ("wan", DDP, {"jagg": {"jagg_frac": 0.5}}, False),

@@ -19,6 +19,7 @@ from helpers import fresh_seed
 TWINS = {  # family -> policy settings of a twin (guided where the family has CFG: both branches traced)
     "sd3": dict(guidance_scale=2.0, lora_targets=["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]),
     "flux": dict(guidance_scale=3.5),
+    "flux_kontext": dict(guidance_scale=3.5),  # the source's tokens after the latent's: twice the sequence
     "flux2": dict(guidance_scale=4.0),
     "flux2_dev": dict(guidance_scale=4.0),  # embedded guidance: one branch traced
     "wan": dict(guidance_scale=3.0),
@@ -69,6 +70,7 @@ def test_a_context_degree_and_fsdp2_divide_what_they_shard():
 # the published transformer sizes (spec.json says where each is published) and the rounding they are given at
 PUBLISHED = {
     "black-forest-labs/FLUX.1-dev": (12e9, 0.5e9),  # "12B"
+    "black-forest-labs/FLUX.1-Kontext-dev": (12e9, 0.5e9),  # "12B": FLUX.1-dev's transformer
     "black-forest-labs/FLUX.2-klein-base-4B": (4e9, 0.5e9),  # "4B"
     "black-forest-labs/FLUX.2-dev": (32e9, 0.5e9),  # "32B"
     "Qwen/Qwen-Image": (20e9, 0.5e9),  # "20B"
@@ -95,8 +97,9 @@ def test_every_preset_hub_id_has_a_shipped_config():
 
     from jagg_lightning.assets import find_local
 
-    presets = ["sd35_medium", "flux_dev", "flux2_klein", "flux2_dev", "qwen_image", "wan21_t2v_1_3b", "wan22_t2v_a14b"]
-    families = ("sd3", "flux", "flux2", "flux2_dev", "qwen_image", "wan")
+    presets = ["sd35_medium", "flux_dev", "flux_kontext_dev", "flux2_klein", "flux2_dev", "qwen_image", "wan21_t2v_1_3b",
+               "wan22_t2v_a14b"]
+    families = ("sd3", "flux", "flux_kontext", "flux2", "flux2_dev", "qwen_image", "wan")
     for name in presets:
         pretrained = yaml.safe_load(open(find_local(f"configs/{name}.yaml")))["model"]["policy"]["pretrained"]
         assert model_spec(PolicyConfig(pretrained=pretrained)).family in families
