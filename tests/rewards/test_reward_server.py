@@ -430,8 +430,8 @@ def resident_mb(pid: int) -> float:
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the server's resident memory from /proc")
 def test_memory_is_handed_back_after_large_requests():
     """Three requests of two 2048^2 PNGs (100 MB of decoded float pixels each): the server's resident memory afterwards
-    stays within half of one request's decoded size of what it was before (measured: +10..20 MB; without the
-    hand-back after large requests, +150 MB)."""
+    stays within one request's decoded size of what it was before (measured: +10..53 MB; without the hand-back after
+    large requests, +150 MB)."""
     import base64
     import io
 
@@ -456,6 +456,8 @@ def test_memory_is_handed_back_after_large_requests():
             assert status == 200, answer
         decoded_mb = 2 * 2048 * 2048 * 3 * 4 / 2**20
         grown = resident_mb(process.pid) - before
-        assert grown < decoded_mb / 2, f"resident memory grew by {grown:.0f} MB over three requests"
+        # one request's decoded size: resident memory is noisy (measured +10..53 MB), the leak it guards against
+        # keeps ~150 MB
+        assert grown < decoded_mb, f"resident memory grew by {grown:.0f} MB over three requests"
     finally:
         stop(process)
