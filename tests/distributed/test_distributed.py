@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from jagg_lightning.data import PromptDataModule
 
 from launch import run_ranks
-from helpers import rel_error
+from helpers import rel_error, sgd
 from modules import make_module
 
 pytestmark = [pytest.mark.distributed, pytest.mark.subprocess, pytest.mark.slow]
@@ -42,7 +42,8 @@ RANK_SCRIPT = textwrap.dedent('''
     from torch.profiler import ProfilerActivity, profile
     from jagg_lightning.data import PromptDataModule
     from modules import make_module
-    from test_distributed import CASES, CHECKPOINTED, PROMPTS, STEPS, sgd
+    from test_distributed import CASES, CHECKPOINTED, PROMPTS, STEPS
+    from helpers import sgd
 
     class CollectiveCounter(L.Callback):
         """Every gloo collective of each training step, seen by the profiler at the backend (DDP's C++
@@ -91,14 +92,8 @@ RANK_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def sgd(params):
-    # SGD, not AdamW: Adam's first step is about lr * sign(g) per weight, so a weight whose gradient is near zero
-    # turns the float32 timestep embedding's ulp differences into a full step (CI seed 2853521527: 3e-6 with AdamW,
-    # 5e-8 with SGD on the same runs); a linear optimizer compares the gradients themselves
-    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
-
-
 def test_ddp_one_all_reduce_per_update_and_same_update_as_one_process(tmp_path, rng_seed):
+    # SGD (helpers.sgd), not AdamW: on CI seed 2853521527 AdamW's sign-like first step made 3e-6 of what SGD gives 5e-8
     seed = rng_seed % 10_000
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)

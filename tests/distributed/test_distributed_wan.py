@@ -17,7 +17,7 @@ from jagg_lightning.adapters import PEFT_KEY_PREFIX
 from jagg_lightning.data import PromptDataModule
 
 from launch import run_ranks
-from helpers import rel_error
+from helpers import rel_error, sgd
 from wan_twins import TWINS, build, full_module, module_for
 
 pytestmark = [pytest.mark.distributed, pytest.mark.subprocess, pytest.mark.slow]
@@ -37,7 +37,8 @@ RANK_SCRIPT = textwrap.dedent('''
     from jagg_lightning.data import PromptDataModule
     from jagg_lightning.strategies import FSDP2Strategy
     from helpers import randomize_lora_b
-    from test_distributed_wan import OPTIONS, PROMPTS, sgd
+    from test_distributed_wan import OPTIONS, PROMPTS
+    from helpers import sgd
     from wan_twins import TWINS, module_for
 
     out, seed = sys.argv[1], int(sys.argv[2])
@@ -94,10 +95,6 @@ RANK_SCRIPT = textwrap.dedent('''
     from jagg_lightning.collectives import end_process_group
     end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
-
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
 def test_ddp_and_fsdp2_equal_one_process_on_both_wan_twins(tmp_path, rng_seed):

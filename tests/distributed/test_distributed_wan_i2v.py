@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from jagg_lightning.data import PromptDataModule
 
 from launch import run_ranks
-from helpers import rel_error
+from helpers import rel_error, sgd
 from wan_i2v_twins import PROMPTS, TWINS, build, module_for
 
 pytestmark = [pytest.mark.distributed, pytest.mark.subprocess, pytest.mark.slow]
@@ -30,7 +30,8 @@ RANK_SCRIPT = textwrap.dedent('''
     from torch.distributed.tensor import DTensor
     from jagg_lightning.data import PromptDataModule
     from jagg_lightning.strategies import FSDP2Strategy
-    from test_distributed_wan_i2v import OPTIONS, RUNS, sgd
+    from test_distributed_wan_i2v import OPTIONS, RUNS
+    from helpers import sgd
     from wan_i2v_twins import PROMPTS, module_for
 
     out, seed = sys.argv[1], int(sys.argv[2])
@@ -52,10 +53,6 @@ RANK_SCRIPT = textwrap.dedent('''
     from jagg_lightning.collectives import end_process_group
     end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
-
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
 def test_ddp_and_fsdp2_equal_one_process_on_the_image_to_video_twins(tmp_path, rng_seed):

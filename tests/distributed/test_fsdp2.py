@@ -17,7 +17,7 @@ from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.data import PromptDataModule
 
 from launch import run_ranks
-from helpers import rel_error
+from helpers import rel_error, sgd
 from modules import make_module
 
 pytestmark = [pytest.mark.distributed, pytest.mark.subprocess, pytest.mark.slow]
@@ -25,9 +25,6 @@ pytestmark = [pytest.mark.distributed, pytest.mark.subprocess, pytest.mark.slow]
 PROMPTS = ["a red cat", "a blue dog", "a green tree", "a yellow sun"]
 OPTIONS = dict(dtype="float64", jagg_frac=0.5, kl_beta=0.5, max_grad_norm=1e-3, train_batch_size=2, ema_decay=0.5)
 
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
 RANK_SCRIPT = textwrap.dedent('''
@@ -41,7 +38,8 @@ RANK_SCRIPT = textwrap.dedent('''
     from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
     from jagg_lightning.data import PromptDataModule
     from jagg_lightning.strategies import FSDP2Strategy
-    from test_fsdp2 import OPTIONS, PROMPTS, sgd
+    from test_fsdp2 import OPTIONS, PROMPTS
+    from helpers import sgd
     from modules import make_module
 
     out, seed = sys.argv[1], int(sys.argv[2])

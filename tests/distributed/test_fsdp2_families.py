@@ -14,7 +14,7 @@ from jagg_lightning.data import PromptDataModule
 
 from launch import run_ranks
 from family_cases import CASES
-from helpers import rel_error
+from helpers import rel_error, sgd
 from family_cases import module_for
 
 pytestmark = [pytest.mark.distributed, pytest.mark.subprocess, pytest.mark.slow]
@@ -34,7 +34,8 @@ RANK_SCRIPT = textwrap.dedent('''
     from jagg_lightning.strategies import FSDP2Strategy
     from family_cases import CASES
     from family_cases import module_for
-    from test_fsdp2_families import OPTIONS, RUNS, sgd
+    from test_fsdp2_families import OPTIONS, RUNS
+    from helpers import sgd
 
     out, seed = sys.argv[1], int(sys.argv[2])
     for name, kind in RUNS:
@@ -54,10 +55,6 @@ RANK_SCRIPT = textwrap.dedent('''
     from jagg_lightning.collectives import end_process_group
     end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
-
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
 def test_fsdp2_update_equals_one_process_on_the_new_twins(tmp_path, rng_seed):

@@ -45,6 +45,13 @@ def lora_grads(policy):
     return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in policy.lora_parameters()]
 
 
+def sgd(params):
+    """The distributed tests' optimizer: SGD with momentum, whose update is linear in the gradient (AdamW's first step is
+    about lr * sign(g) per weight, so a near-zero gradient would turn float32 rounding into a full step), and stateful,
+    so a resumed run must restore its momentum."""
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
 def rel_error(a, b):
     num = sum(((x - y) ** 2).sum() for x, y in zip(a, b)) ** 0.5
     den = sum((y**2).sum() for y in b) ** 0.5
