@@ -48,7 +48,7 @@ class RunSummary(L.Callback):
     value}) (``DigitAccuracy``, which logs to the loggers directly during fit). ``lines`` is what was printed.
 
     Args:
-        print_fn: Where the lines go (a function of one string; default `print`).
+        print_fn (Callable[[str], object]): Where the lines go (a function of one string; default `print`).
     """
 
     def __init__(self, print_fn=print):
