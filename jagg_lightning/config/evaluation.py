@@ -1,4 +1,4 @@
-"""``model.evaluation``: how ``validate``, ``test`` and ``predict`` sample (:class:`EvalConfig`)."""
+"""``model.evaluation``: how ``validate``, ``test`` and ``predict`` sample (`EvalConfig`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``model.grpo``: the GRPO update (:class:`GRPOConfig`)."""
+"""``model.grpo``: the GRPO update (`GRPOConfig`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``model.jagg``: the window gradient (:class:`JAGGConfig`)."""
+"""``model.jagg``: the window gradient (`JAGGConfig`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``model.memory``: what the update's gradient passes may hold (:class:`MemoryConfig`)."""
+"""``model.memory``: what the update's gradient passes may hold (`MemoryConfig`)."""
 
 from __future__ import annotations
 

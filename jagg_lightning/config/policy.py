@@ -1,4 +1,4 @@
-"""``model.policy``: what to load and how to adapt it (:class:`PolicyConfig`), and the image size it names."""
+"""``model.policy``: what to load and how to adapt it (`PolicyConfig`), and the image size it names."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``model.sampling``: the rollouts (:class:`SamplingConfig`)."""
+"""``model.sampling``: the rollouts (`SamplingConfig`)."""
 
 from __future__ import annotations
 
