@@ -211,12 +211,27 @@ class ResumablePromptLoader(DataLoader):
 
 
 class PromptDataModule(L.LightningDataModule):
-    """``batch_size`` prompts per training step; each prompt becomes one GRPO group of K samples.
+    """Prompts: the training prompts, and the held-out prompts of validate, test and predict.
 
-    Give at most one of ``prompts`` (inline list) or ``prompts_file`` (relative to the working directory);
-    with neither, :data:`DEFAULT_PROMPTS`. ``val_prompts`` / ``val_prompts_file``: held-out prompts for
-    ``jagg validate`` and ``trainer.val_check_interval`` (none = no validation); ``predict_prompts`` /
-    ``predict_prompts_file``: prompts ``jagg predict`` draws (default: the validation prompts).
+    Each training step takes `batch_size` prompts; each prompt becomes one GRPO group of K samples
+    (`sampling.group_size`). Of each kind of prompts give at most one: a list or a file.
+
+    Args:
+        prompts: Training prompts, a list of non-blank strings (a bare string is refused, not read as one prompt
+            per character); neither this nor `prompts_file` = `DEFAULT_PROMPTS`.
+        prompts_file: Training prompts from a file: UTF-8, one prompt a line (relative to the working directory,
+            or a shipped name: `digits_train`, `digits_heldout`), a `.jsonl` file or a dataset folder of
+            conditioned prompts (docs/configuration.md).
+        batch_size: Prompts per training step (each becomes a group), an integer >= 1.
+        shuffle: Shuffle the training prompts every epoch (the order seeded per epoch by `seed`).
+        seed: The seed of the prompts' epoch order (nothing of the algorithm draws from it: that is `model.seed`).
+        val_prompts: Held-out prompts for `jagg validate` / `jagg test` and `trainer.val_check_interval`, a list as
+            `prompts`; none (nor `val_prompts_file`) = no validation.
+        val_prompts_file: Held-out prompts from a file, as `prompts_file` (a dataset folder: its test split).
+        predict_prompts: The prompts `jagg predict` draws, a list as `prompts`; none (nor `predict_prompts_file`) =
+            the validation prompts.
+        predict_prompts_file: The prompts `jagg predict` draws, from a file as `prompts_file`.
+        eval_batch_size: Prompts per validation / test / predict batch, an integer >= 1.
     """
 
     def __init__(

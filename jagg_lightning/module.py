@@ -9,6 +9,12 @@ The work is done by plain parts beside this class (``docs/architecture.md``): it
 lifecycle, the optimizer step, evaluation and the checkpoint hooks. Callbacks read
 :attr:`JAGGModule.window_records`, :attr:`JAGGModule.windows` and :attr:`JAGGModule.plan`; they never reach
 into rollout internals.
+
+Drop the module into any ``Trainer``: ``Trainer(max_steps=...).fit(JAGGModule(...), PromptDataModule(...))``.
+``__init__`` only validates; the policy (``policies/``, any supported family) and the parts that work on it
+(``sampler``, ``updater``) are built in ``configure_model``, which the Trainer and ``load_from_checkpoint`` call (call
+it yourself to use ``module.policy`` outside a Trainer). Checkpoints hold only the trainable LoRA weights (plus
+optimizer, scheduler, EMA and RNG states, and Lightning's counters); the frozen weights are rebuilt from ``policy``.
 """
 
 from __future__ import annotations
@@ -85,13 +91,14 @@ def _to_arguments(args: tuple, kwargs: dict) -> tuple:
 class JAGGModule(L.LightningModule):
     """GRPO with JAGG window gradients on a LoRA-adapted flow-matching transformer (manual optimization).
 
-    Drop it into any ``Trainer``: ``Trainer(max_steps=...).fit(JAGGModule(...), PromptDataModule(...))``.
-    ``__init__`` only validates; the policy (``policies/``, any supported family) and the parts that work on it
-    (:attr:`sampler`, :attr:`updater`) are built in :meth:`configure_model`, which the Trainer and
-    ``load_from_checkpoint`` call (call it yourself to use ``module.policy`` outside a Trainer).
-
-    Checkpoints hold only the trainable LoRA weights (plus optimizer, scheduler, EMA and RNG states,
-    and Lightning's counters); the frozen weights are rebuilt from ``policy`` on load.
+    Args:
+        reward: A registered reward name (`jpeg_compressibility`, `digits`, ...) or a `Reward` (in a config: its
+            `class_path` and `init_args`; docs/rewards.md); in Python also a callable `fn(images, prompts) -> scores`.
+        optimizer: The optimizer over the trainable (LoRA) parameters; null = AdamW, lr 1e-4, weight decay 1e-4.
+        lr_scheduler: A learning-rate scheduler, stepped once per optimizer step; null = none.
+        ema_decay: The decay of an EMA of the LoRA weights, in (0, 1) (export and evaluation use it); null = off.
+        reward_workers: Threads scoring each rollout micro-batch while the next samples, >= 0 (0: the training thread).
+        seed: The root of every random draw of the algorithm; each stream is drawn from it with a tag of its own.
     """
 
     strict_loading = False  # checkpoints carry only the LoRA weights

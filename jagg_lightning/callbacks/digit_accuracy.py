@@ -17,10 +17,21 @@ from jagg_lightning.testbed.judge import JUDGE_PATH, DigitJudge, load_judge
 
 
 class DigitAccuracy(L.Callback):
-    """prompts: held-out prompts (default: every held-out template x digit); ``history`` keeps
-    (global step, accuracy, reward) of every evaluation, ``results`` the whole result of each
-    (:func:`~jagg_lightning.testbed.evaluate.heldout_accuracy`, judge included), ``evaluations`` (step, the logged
-    ``val/*`` values) of each."""
+    """Held-out prompt-following accuracy on the digits test bed, during fit and in validate / test.
+
+    ``history`` keeps (global step, accuracy, reward) of every evaluation, ``results`` the whole result of each
+    (``jagg_lightning.testbed.evaluate.heldout_accuracy``, judge included), ``evaluations`` (step, the logged
+    ``val/*`` values) of each.
+
+    Args:
+        prompts: The held-out prompts; null = every held-out template x digit.
+        every_n_steps: Training steps between evaluations, >= 1 (also at the start and the end of fit).
+        samples_per_prompt: Images per prompt, >= 1.
+        seed: The seed of the evaluation noise (the same every evaluation).
+        num_steps: ODE steps per image; null = `sampling.num_steps`.
+        classifier_path: The digit classifier's weights; null = the shipped one (`DigitReward`'s).
+        judge_path: The independent judge's weights (never seen by GRPO); null = the shipped one.
+    """
 
     def __init__(self, prompts: list[str] | None = None, every_n_steps: int = 10, samples_per_prompt: int = 2,
                  seed: int = 1234, num_steps: int | None = None, classifier_path: str | None = None,

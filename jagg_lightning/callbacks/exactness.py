@@ -41,8 +41,13 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 
 class ExactnessDiagnostics(L.Callback):
-    """every_n_steps: training steps between checks; max_samples: micro-batch size of a check;
-    min_cosine: warn when a routed window's gradient cosine falls below it."""
+    """Every N training steps, each window's JAGG gradient against its exact one on the last rollout.
+
+    Args:
+        every_n_steps: Training steps between checks, >= 1.
+        max_samples: The micro-batch size of a check (the last rollout's first samples), >= 1; null = all.
+        min_cosine: Warn when a routed window's gradient cosine falls below it, in [-1, 1].
+    """
 
     def __init__(self, every_n_steps: int = 10, max_samples: int | None = 2, min_cosine: float = 0.9):
         super().__init__()

@@ -18,14 +18,16 @@ __all__ = ["LoRAExport", "export_lora", "lora_state_dict"]
 
 
 class LoRAExport(L.Callback):
-    """Export the adapter at every checkpoint save and at the end of fit (EMA weights when enabled); with
-    ``policy.trainable: full`` the whole transformer instead, as ``<dir>/<last|final>/transformer`` (Wan2.2: and
-    ``<dir>/<last|final>/transformer_2``; :mod:`jagg_lightning.export`).
+    """The trained adapter, exported at every checkpoint save and at the end of fit.
 
-    dirpath: where to write; None = ``<trainer.default_root_dir>/lora``. Holds ``last/`` (updated at
-    every checkpoint) and ``final/`` (end of fit); ``exported`` maps each to the path written. ``jagg fit`` does not
-    start a new run into a folder that holds an earlier run's ``last/`` or ``final/`` (:mod:`jagg_lightning.cli_outputs`,
-    ``--overwrite true``).
+    The EMA weights when enabled; with ``policy.trainable: full`` the whole transformer instead, as
+    ``<dir>/<last|final>/transformer`` (Wan2.2: and ``<dir>/<last|final>/transformer_2``; ``jagg_lightning.export``).
+    ``exported`` maps ``last`` and ``final`` to the path written. ``jagg fit`` does not start a new run into a folder
+    that holds an earlier run's ``last/`` or ``final/`` (``jagg_lightning.cli_outputs``, ``--overwrite true``).
+
+    Args:
+        dirpath: Where to write: `last/` (updated at every checkpoint) and `final/` (end of fit), each with `peft/`
+            and `diffusers/`; null = `<trainer.default_root_dir>/lora`.
     """
 
     def __init__(self, dirpath: str | None = None):

@@ -16,8 +16,14 @@ from jagg_lightning.io import atomic_write
 
 
 class PredictionImages(BasePredictionWriter):
-    """Writes ``<dirpath>/p{index:05d}_s{sample:02d}.png`` for every predicted image and ``prompts.jsonl``
-    (index, sample, prompt, file). dirpath None = ``<default_root_dir>/predictions``."""
+    """The images of ``jagg predict``, written as files.
+
+    Writes ``<dirpath>/p{index:05d}_s{sample:02d}.png`` for every predicted image and ``prompts.jsonl``
+    (index, sample, prompt, file).
+
+    Args:
+        dirpath: Where to write; null = `<default_root_dir>/predictions`.
+    """
 
     def __init__(self, dirpath: str | None = None):
         super().__init__(write_interval="batch")

@@ -23,7 +23,9 @@ DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 
 
 class Preemption(L.Callback):
-    """On any of ``signals`` during fit: stop at the next safe point (after the rollout micro-batch being sampled and
+    """A checkpoint at the next safe point on a stop signal (a scheduler's SIGTERM, Ctrl-C), then exit.
+
+    On any of ``signals`` during fit: stop at the next safe point (after the rollout micro-batch being sampled and
     scored, before the update, or after the running step: :mod:`jagg_lightning.preemption`), write a checkpoint
     and exit with status 128 + the signal's number (143 for SIGTERM, 138 for SIGUSR1). ``LoRAExport`` writes the
     adapter to ``<lora dir>/last`` with that checkpoint; ``final`` is written only when fit ends normally.
@@ -34,6 +36,12 @@ class Preemption(L.Callback):
     ``default_root_dir`` instead, which Lightning loads by itself when the job starts again, and on the environment's
     requeue signal (SIGUSR1 unless set) rank 0 requeues the job (``scontrol requeue``), as Lightning's own handler
     would -- ours waits for a safe point instead of saving from inside the signal handler.
+
+    Args:
+        signals: The signal names that stop the run (`SIGTERM`, `SIGUSR1`, `SIGINT`, ...); null = SIGTERM and
+            SIGUSR1 (the `jagg` CLI adds SIGINT).
+        dirpath: The checkpoint's folder outside SLURM; null = `<default_root_dir>/checkpoints`.
+        filename: The checkpoint's file name without `.ckpt` and without `/`.
     """
 
     def __init__(self, signals: list[str] | None = None, dirpath: str | None = None, filename: str = "preempted"):

@@ -11,7 +11,7 @@ from jagg_lightning.rewards.monitor import MONITOR_PREFIX
 
 
 class RewardHackingWatch(L.Callback):
-    """Compares the trained reward with every monitor of a ``MonitoredReward`` (``docs/rewards.md``).
+    """Warns when the trained reward rises while a monitor of a ``MonitoredReward`` falls (docs/rewards.md).
 
     After each training step (``stage: train``, reading ``train/reward_mean`` and
     ``train/reward/monitor/<name>``) or each evaluation (``stage: val``, the ``val/`` values), it keeps the
@@ -19,9 +19,17 @@ class RewardHackingWatch(L.Callback):
     the first ``window`` (the baseline). When the trained reward has risen by more than ``min_rise`` while
     a monitor has fallen by more than ``margin`` (in the monitor's units; with ``relative`` a fraction of
     the monitor's |baseline|), it warns once, naming both; the warning re-arms when the monitor is back
-    within the margin. ``monitors``: the names to watch (default every monitor logged). ``alerts`` lists
-    (step, monitor, rise, drop) of every warning; with ``stage: train`` the drop is logged as
-    ``reward_watch/<name>_drop``.
+    within the margin. ``alerts`` lists (step, monitor, rise, drop) of every warning; with ``stage: train`` the drop
+    is logged as ``reward_watch/<name>_drop``.
+
+    Args:
+        margin: The fall of a monitor that counts, > 0 (in the monitor's units; with `relative` a fraction of its
+            |baseline|).
+        window: Points averaged at each end of the series, an integer >= 1 (a comparison needs 2 x window points).
+        min_rise: The rise of the trained reward that counts, >= 0.
+        relative: `margin` as a fraction of the monitor's |baseline| instead of in its units.
+        monitors: The monitor names to watch; null = every monitor logged.
+        stage: `train` (after each training step, the `train/` values) or `val` (after each evaluation, `val/`).
     """
 
     def __init__(self, margin: float = 0.05, window: int = 5, min_rise: float = 0.0, relative: bool = False,

@@ -14,13 +14,19 @@ from jagg_lightning.io import atomic_write
 
 
 class RoutingStats(L.Callback):
-    """Logs ``routing/*`` every training step through ``pl_module.log`` (any Lightning logger) and
+    """Which windows JAGG took, logged every training step, and a plot of routing per timestep at the end of fit.
+
+    Logs ``routing/*`` every training step through ``pl_module.log`` (any Lightning logger) and
     writes ``routing.png`` (routing frequency per timestep, score distribution) at the end of fit, also sent
     to every image-capable logger as ``routing``.
 
     A policy with several experts (``policy.expert_names``: Wan2.2's ``high_noise`` and ``low_noise``) also gets
     ``routing/<expert>/*``, the same values over that expert's windows (``policy.expert_index`` maps a step to its
-    expert), and the plot's bars coloured by expert. One network: exactly the ``routing/*`` values."""
+    expert), and the plot's bars coloured by expert. One network: exactly the ``routing/*`` values.
+
+    Args:
+        plot: Write `routing.png` at the end of fit (and send it to image-capable loggers).
+    """
 
     def __init__(self, plot: bool = True):
         super().__init__()

@@ -17,7 +17,9 @@ from jagg_lightning.images import log_dir, write_image
 
 
 class SampleImages(L.Callback):
-    """Every ``every_n_steps`` training steps and at the end of fit: one row per prompt, ``samples_per_prompt``
+    """Sample grids, base model beside fine-tuned, every N training steps and at the end of fit.
+
+    Every ``every_n_steps`` training steps and at the end of fit: one row per prompt, ``samples_per_prompt``
     samples of the base model (adapter off) then as many of the fine-tuned one (adapter on, EMA weights when
     enabled), the same seeds for both. The written grid is upscaled (nearest, ``scale``; None = at least 96 px
     per image), with each row's prompt and each half's name -- and, when a callback measures it (``DigitAccuracy``:
@@ -28,9 +30,20 @@ class SampleImages(L.Callback):
     logger that takes images (:func:`jagg_lightning.images.log_image`: TensorBoard, MLflow, ...). ``last_grid`` is
     the unlabelled grid at native size, ``last_marks`` / ``last_layout`` what was drawn on it and where. Conditioned
     prompts (:class:`jagg_lightning.conditions.ConditionedPrompt`: image editing, image-to-video) get their source
-    image as a first column, labelled "source": source -> base -> fine-tuned. ``prompts_file`` instead of
-    ``prompts`` reads them as ``data.prompts_file`` does (:func:`jagg_lightning.data.read_prompts`): a text file, a
-    JSONL file or a dataset folder (its ``split``'s metadata), which is how a config gives conditioned prompts."""
+    image as a first column, labelled "source": source -> base -> fine-tuned.
+
+    Args:
+        prompts: The prompts of the grid's rows; exactly one of `prompts` and `prompts_file`.
+        every_n_steps: Training steps between grids, >= 1.
+        seed: The seed of the samples' noise (the same for base and fine-tuned, every grid).
+        num_steps: ODE steps per image; null = `sampling.num_steps`.
+        dirpath: Where the grids go; null = `<log dir>/samples`.
+        samples_per_prompt: Samples per prompt in each half, >= 1.
+        scale: The upscale factor of the written grid (nearest), >= 1; null = at least 96 px per image.
+        prompts_file: Prompts read as `data.prompts_file` reads them: a text file, a JSONL file or a dataset folder
+            (its `split`'s metadata) -- how a config gives conditioned prompts.
+        split: The split a dataset folder given as `prompts_file` is read from (its `<split>_metadata.jsonl`).
+    """
 
     def __init__(self, prompts: list[str] | None = None, every_n_steps: int = 50, seed: int = 0,
                  num_steps: int | None = None, dirpath: str | None = None, samples_per_prompt: int = 1,

@@ -41,10 +41,15 @@ def _list(folder: Path, names: list[str]) -> str:
 
 
 class RunSummary(L.Callback):
-    """At the end of ``fit`` / ``validate`` / ``test``, once, on rank 0 (the ``jagg`` CLI adds it; ``print_fn``:
-    where the lines go). ``series`` holds every evaluation metric: {name: {step: value}}, from what each
+    """What a run came to: its metrics first to last, its time and where its files are, printed at its end.
+
+    At the end of ``fit`` / ``validate`` / ``test``, once, on rank 0 (the ``jagg`` CLI adds it). ``series`` holds every evaluation metric: {name: {step: value}}, from what each
     evaluation leaves in ``trainer.callback_metrics`` and from any callback's ``evaluations`` list of (step, {name:
-    value}) (``DigitAccuracy``, which logs to the loggers directly during fit). ``lines`` is what was printed."""
+    value}) (``DigitAccuracy``, which logs to the loggers directly during fit). ``lines`` is what was printed.
+
+    Args:
+        print_fn (Callable[[str], object]): Where the lines go (a function of one string; default `print`).
+    """
 
     def __init__(self, print_fn=print):
         super().__init__()
