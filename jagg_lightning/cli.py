@@ -116,7 +116,11 @@ def _dispatch(args: list[str]) -> int | None:
         if "-h" in args[1:] or "--help" in args[1:]:
             return plan_main(args[1:], None)  # argparse prints its help and exits before any config is parsed
         prepare()
-        from jagg_lightning.cli_lightning import parse_config
+
+        def parse_config(argv):  # imported once plan_main has said what it reads (Lightning takes seconds to load)
+            from jagg_lightning.cli_lightning import parse_config
+
+            return parse_config(argv)
 
         return plan_main(args[1:], parse_config)
     if first in LIGHTNING_SUBCOMMANDS or first.startswith("-"):  # LightningCLI's subcommands and top-level options

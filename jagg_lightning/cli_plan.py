@@ -4,13 +4,17 @@ step of a config per device, before anything is allocated (:mod:`jagg_lightning.
 The config is read as ``jagg fit --config X`` reads it (the same files and ``--model.*`` / ``--trainer.*`` /
 ``--data.*`` overrides; nothing is built). ``--devices`` defaults to ``trainer.devices x trainer.num_nodes``, the
 strategy is the trainer's (``FSDP2Strategy``: sharded, its ``cpu_offload``; DDP otherwise on several devices),
-``--context`` to the strategy's ``context_parallel_size`` (1 without one). Exit status: 0 it fits, 1 it does not
-(the table names what to change), 2 a bad config or argument.
+``--context`` to the strategy's ``context_parallel_size`` (1 without one). ``--json``: the plan as one JSON object on
+stdout, every row in bytes (:func:`~jagg_lightning.memory_plan.table.as_json`), instead of the table. While it reads
+the config and traces, one line per phase goes to stderr (a large model traces for minutes). Exit status: 0 it fits,
+1 it does not (the table names what to change), 2 a bad config or argument.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 
 from jagg_lightning.strict_args import StrictParser
 
@@ -28,7 +32,20 @@ def arguments() -> StrictParser:
                         help="memory of one device in GiB (default: 80)")
     parser.add_argument("--context", type=int, help="context-parallel degree: context ranks per sample (default: "
                         "the strategy's context_parallel_size, else 1)")
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object, every row in bytes, "
+                        "instead of the table")
     return parser
+
+
+class Progress:
+    """One line on stderr per phase, led by the seconds since the command started (not by ``jagg plan:``, which
+    leads its one line of error)."""
+
+    def __init__(self):
+        self.start = time.monotonic()
+
+    def __call__(self, what: str) -> None:
+        print(f"[{time.monotonic() - self.start:4.0f} s] {what} ...", file=sys.stderr, flush=True)
 
 
 def _get(namespace, key, default=None):
@@ -74,18 +91,20 @@ def plan_main(argv: list[str], parse_config) -> int:
             print(f"jagg plan: error: {parser.unknown(name)}", file=sys.stderr)
             return 2
     fit_args = [a for c in args.config for a in ("--config", c)] + rest
+    progress = Progress()
+    progress(f"reading {' + '.join(args.config)} as jagg fit reads it")
     config = parse_config(fit_args)
     try:
-        return run(args, config)
+        return run(args, config, progress)
     except ValueError as err:
         print(f"jagg plan: error: {err}", file=sys.stderr)
         return 2
 
 
-def run(args, config) -> int:
+def run(args, config, progress=None) -> int:
     from jagg_lightning.config import (GRPOConfig, JAGGConfig, MemoryConfig, PolicyConfig, SamplingConfig, as_config,
                                        check_sections)
-    from jagg_lightning.memory_plan import Setup, advise, plan_memory, render
+    from jagg_lightning.memory_plan import Setup, advise, as_json, plan_memory, render
     from jagg_lightning.old_keys import move_old_keys
 
     model, trainer = config.get("model"), config.get("trainer")
@@ -109,7 +128,9 @@ def run(args, config) -> int:
                   optimizer_states=optimizer_states(_get(model, "optimizer")), ema=_get(model, "ema_decay") is not None,
                   reward_workers=int(_get(model, "reward_workers", 0)))
     prompts = int(_get(config.get("data"), "batch_size", 1)) if config.get("data") is not None else 1
-    plan = plan_memory(policy, sampling, grpo, jagg, memory, prompts, setup)
-    plan.suggestions = advise(plan, policy, sampling, grpo, jagg, memory, prompts)
-    print(render(plan))
+    if progress is not None:
+        progress(f"building the transformer of {policy.pretrained or 'the twin'} on the meta device")
+    plan = plan_memory(policy, sampling, grpo, jagg, memory, prompts, setup, progress=progress)
+    plan.suggestions = advise(plan, policy, sampling, grpo, jagg, memory, prompts, progress=progress)
+    print(json.dumps(as_json(plan), indent=2) if args.json else render(plan))
     return 0 if plan.fits else 1

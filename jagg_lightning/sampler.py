@@ -283,17 +283,23 @@ class Sampler:
     def _measure_activation_bytes(self, samples: int) -> int:
         weights = {p.untyped_storage().data_ptr() for p in self.policy.parameters()}
         seen: dict[int, int] = {}
+        held: list[Tensor] = []  # every saved storage stays alive until the count is done: no address is reused
 
-        def pack(t: Tensor):
+        def pack(t: Tensor) -> None:
             ptr = t.untyped_storage().data_ptr()
             if ptr not in weights:
                 seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-            return t
+            held.append(t.detach())
+            # the graph keeps nothing (it gets no backward): a saved output handed back as itself would close the
+            # cycle output -> grad_fn -> saved output that keeps the whole forward alive for the life of the process
+
+        def unpack(_) -> Tensor:
+            raise RuntimeError("the activation-measuring forward is not for backward")
 
         # the probe prompt carries as many (grey) condition images as the family takes: none for text-to-image
         probe = ConditionedPrompt("a", [torch.full((3, 8, 8), 0.5)] * self.policy.condition_images[0])
         cond = tuple(c[:1].repeat_interleave(samples, dim=0) for c in self.encode([probe]))
         z = torch.randn(samples, *self.policy.latent_shape, generator=torch.Generator().manual_seed(0))
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             self.velocity(z.to(self.device), torch.full((samples,), 0.5, device=self.device), cond)
         return sum(seen.values())

@@ -305,17 +305,25 @@ class Updater:
         """ONE backward over the micro-batch's kept graphs, its interiors' g_k folded in from the recorded
         velocities (each sample's loss scaled by 1 / (``num`` * trained steps), as the unfused update); samples
         beyond the kept ones go through the unfused engine (interiors from the cache). All groups tied (zero
-        advantage, kl_beta 0): no backward, a zero gradient (its forwards were the rollout's)."""
+        advantage, kl_beta 0): no backward, a zero gradient (its forwards were the rollout's). The kept graphs are
+        released once their backward ran, the unused ones too (a routed window's interiors, never backwarded): before
+        the other samples' passes and the next micro-batch's rollout (which this step's variables still reach it
+        through)."""
         mb, n, kept = sampled.part, advantages.shape[0], sampled.graph_rows
         samples = torch.arange(sampled.rows.start, sampled.rows.start + n, device=advantages.device)
         if self.grpo.skip_zero_advantage and self.grpo.kl_beta == 0 and not bool(advantages.any()):
             report.skipped_samples += n
+            sampled.graphs.clear()
             return
         with hooks.collectives.local_backward():
             rows = slice(0, kept)
-            report.records += self.engine_pass(mb.select(rows), advantages[rows], batch_slice(cond, rows), num, plan,
-                                               windows, True, report.first_update_stats, self.memory.anchors == "split",
-                                               hooks.backward, sampled.graphs, samples[rows])
+            try:
+                report.records += self.engine_pass(mb.select(rows), advantages[rows], batch_slice(cond, rows), num,
+                                                   plan, windows, True, report.first_update_stats,
+                                                   self.memory.anchors == "split", hooks.backward, sampled.graphs,
+                                                   samples[rows])
+            finally:
+                sampled.graphs.clear()
             if kept < n:  # the samples without kept graphs: the unfused engine, interiors from the cache
                 rows = slice(kept, n)
                 report.records += self.backward_samples(mb.select(rows), advantages[rows], batch_slice(cond, rows), num,

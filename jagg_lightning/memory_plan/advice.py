@@ -4,6 +4,8 @@ when the setting changes them) and named with the peak it gives."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 from jagg_lightning.memory_plan.plan import GiB, MemoryPlan, plan_memory
 
@@ -11,18 +13,24 @@ CONTEXT_FAMILIES = ("wan", "flux", "flux_kontext", "flux2", "flux2_dev", "qwen_i
 
 
 def _fits(plan: MemoryPlan) -> str:
-    return f"peak {plan.peak / GiB:.1f} GiB ({'fits' if plan.fits else 'still does not fit'})"
+    peak = f"{plan.peak / GiB:.1f} GiB" if plan.peak >= 0.95 * GiB else f"{plan.peak / 2**20:.1f} MiB"
+    return f"peak {peak} ({'fits' if plan.fits else 'still does not fit'})"
 
 
-def advise(plan: MemoryPlan, policy, sampling, grpo, jagg, memory, prompts: int) -> list[str]:
-    """One line per setting that helps, best first (those that make it fit before those that only help)."""
+def advise(plan: MemoryPlan, policy, sampling, grpo, jagg, memory, prompts: int,
+           progress: Callable[[str], None] | None = None) -> list[str]:
+    """One line per setting that helps, best first (those that make it fit before those that only help);
+    ``progress``: told before each trace a setting needs (as :func:`plan_memory`)."""
     if plan.fits:
         return []
+    if progress is not None:
+        progress("it does not fit: planning the settings that would change that")
+    replan = functools.partial(plan_memory, progress=progress)
     setup, spec = plan.setup, plan.spec
     tries: list[tuple[str, MemoryPlan]] = []
 
     def again(text, policy=policy, sampling=sampling, jagg=jagg, memory=memory, setup=setup):
-        tries.append((text, plan_memory(policy, sampling, grpo, jagg, memory, prompts, setup, spec=spec)))
+        tries.append((text, replan(policy, sampling, grpo, jagg, memory, prompts, setup, spec=spec)))
 
     resident = sum(r.bytes for r in plan.rows if r.resident)
     room_mb = int((plan.limit - resident) / 2**20)
@@ -45,7 +53,7 @@ def advise(plan: MemoryPlan, policy, sampling, grpo, jagg, memory, prompts: int)
     for devices in (2, 4, 8, 16, 32, 64):
         if devices > setup.devices:
             more = dataclasses.replace(setup, devices=devices * setup.context, strategy="fsdp2")
-            trial = plan_memory(policy, sampling, grpo, jagg, memory, prompts, more, spec=spec)
+            trial = replan(policy, sampling, grpo, jagg, memory, prompts, more, spec=spec)
             if trial.fits:
                 tries.append((f"more devices: {devices * setup.context} with FSDP2Strategy", trial))
                 break
@@ -54,7 +62,7 @@ def advise(plan: MemoryPlan, policy, sampling, grpo, jagg, memory, prompts: int)
             trial_setup = dataclasses.replace(setup, devices=max(setup.devices, degree), context=degree)
             if trial_setup.devices % degree:
                 continue
-            trial = plan_memory(policy, sampling, grpo, jagg, memory, prompts, trial_setup, spec=spec)
+            trial = replan(policy, sampling, grpo, jagg, memory, prompts, trial_setup, spec=spec)
             if trial.fits:
                 tries.append((f"set trainer.strategy.context_parallel_size: {degree} (on {trial_setup.devices} "
                               "devices)", trial))

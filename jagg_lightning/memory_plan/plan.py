@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -97,8 +98,8 @@ def _blocks(network: nn.Module) -> list[nn.Module]:
 
 
 def count(n: float) -> str:
-    """A parameter count as people write it: 613.4M, 28.6B."""
-    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.4g}M"
+    """A parameter count as people write it: 24.69k, 613.4M, 28.6B."""
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.4g}M" if n >= 1e6 else f"{n / 1e3:.4g}k"
 
 
 def _numel(params) -> int:
@@ -144,10 +145,11 @@ def routed_windows(sampling, jagg, breaks) -> list[Window]:
 
 def plan_memory(policy, sampling, grpo, jagg, memory, prompts_per_device: int, setup: Setup,
                 spec: ModelSpec | None = None, default_targets: list[str] | None = None,
-                text_tokens: int | None = None) -> MemoryPlan:
+                text_tokens: int | None = None, progress: Callable[[str], None] | None = None) -> MemoryPlan:
     """The per-device table of one training step of this config (see the module docstring). The condition's tokens:
     ``text_tokens``, else SD3's CLIP tokens + ``max_sequence_length`` and every other family's padded
-    ``max_sequence_length`` (Qwen-Image's prompts are cut there, shorter ones cost less: the bound)."""
+    ``max_sequence_length`` (Qwen-Image's prompts are cut there, shorter ones cost less: the bound). ``progress``
+    is told (one line) before each trace, the slow part (a large model: minutes)."""
     from jagg_lightning.policies import FAMILIES
 
     spec = spec or model_spec(policy)
@@ -160,14 +162,15 @@ def plan_memory(policy, sampling, grpo, jagg, memory, prompts_per_device: int, s
     cfg = guided(spec, policy, sampling)
     rows_per_sample = 2 if cfg else 1
 
-    traced = dict(measure(spec, policy, default_targets, geo, rows_per_sample, setup.sharded))
+    traced = dict(measure(spec, policy, default_targets, geo, rows_per_sample, setup.sharded, progress))
     return layout(spec, setup, geo, policy, sampling, grpo, jagg, memory, prompts_per_device, traced)
 
 
 _MEASURED: dict = {}
 
 
-def measure(spec: ModelSpec, policy, default_targets: list[str], geo: Geometry, rows: int, sharded: bool) -> dict:
+def measure(spec: ModelSpec, policy, default_targets: list[str], geo: Geometry, rows: int, sharded: bool,
+            progress: Callable[[str], None] | None = None) -> dict:
     """The meta network's parameters (as held: float32 masters of a full fine-tune) and one sample's traced
     activation bytes (+ one block's, recomputed in backward under gradient checkpointing); remembered per setting
     (the advice plans the same model many times)."""
@@ -180,6 +183,10 @@ def measure(spec: ModelSpec, policy, default_targets: list[str], geo: Geometry, 
     network = meta_network(spec, policy, default_targets)
 
     def trace(checkpointing: bool) -> int:
+        if progress is not None:
+            progress(f"tracing one forward of the {spec.family} transformer on fake tensors: {geo.tokens} tokens + "
+                     f"{geo.text} text tokens, {rows} branch{'es' if rows > 1 else ''}, {str(trace_dtype)[6:]}"
+                     + (", gradient checkpointing" if checkpointing else ""))
         config = dataclasses.replace(policy, gradient_checkpointing=checkpointing)
         return traced_activation_bytes(lambda: meta_network(spec, config, default_targets, sharded),
                                        lambda: transformer_inputs(geo, spec.transformer, rows, trace_dtype))

@@ -26,16 +26,23 @@ def saved_bytes(run: Callable[[], object], exclude: set[int]) -> int:
     """Bytes of the distinct storages autograd saves while ``run()`` runs with grad (``exclude``: storage keys not
     counted, the weights')."""
     seen: dict[int, int] = {}
+    held: list[Tensor] = []  # every saved storage stays alive until the count is done: no key is reused meanwhile
 
-    def pack(t: Tensor):
+    def pack(t: Tensor) -> None:
         key = _storage_key(t)
         if key not in exclude:
             seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
-        return t
+        held.append(t.detach())
+        # the graph keeps nothing: a saved output handed back as itself would close the cycle output -> grad_fn ->
+        # saved output, which no garbage collection frees (the forward would live as long as the process)
 
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _no_backward):
         run()
     return sum(seen.values())
+
+
+def _no_backward(_) -> Tensor:
+    raise RuntimeError("a forward run to count its saved bytes is not for backward")
 
 
 def weight_keys(module: nn.Module) -> set[int]:
@@ -58,7 +65,8 @@ def traced_activation_bytes(build: Callable[[], nn.Module], inputs: Callable[[],
 
 class SavedTensorPeak:
     """The peak bytes of tensors held by autograd graphs (saved for backward) while its hooks are active: each storage
-    counted once, from its first pack to the release of its last saved reference; ``exclude``: storage keys not
+    counted once, from its first pack to the release of its last saved reference (it holds detached tensors: no
+    reference cycle, so what it measures is freed when it would be without it); ``exclude``: storage keys not
     counted (the weights). Use ``with torch.autograd.graph.saved_tensors_hooks(peak.pack, peak.unpack):``."""
 
     class _Held:
@@ -87,7 +95,9 @@ class SavedTensorPeak:
             self.live += entry[1]
             self.peak = max(self.peak, self.live)
         entry[0] += 1
-        held = self._Held(t)
+        # detached (the same storage, no grad_fn): the graph of a saved output never reaches back to itself, so a
+        # graph that gets no backward is freed with its last reference, as it is without hooks
+        held = self._Held(t.detach())
         weakref.finalize(held, self._release, key)
         return held
 

@@ -131,3 +131,37 @@ def test_full_fine_tune_counts_masters_and_reference():
     assert rows["trainable weights + grads + optimizer (float32)"] == 16 * n  # master, grad, two AdamW moments
     assert rows["KL reference copy"] == 2 * n  # bfloat16 copy
     torch.testing.assert_close(torch.tensor(plan.params["trainable"]), torch.tensor(n))
+
+
+def test_counting_saved_tensors_keeps_no_graph_alive():
+    """``saved_bytes`` (the plan's trace) and ``SavedTensorPeak`` (the measurement) hold no saved tensor in a reference
+    cycle: a forward never backwarded is freed with its output (the peak's live bytes back to 0, no tensor of a graph
+    left alive), and a backward through the peak's hooks gives the gradient it gives without them."""
+    import gc
+
+    from jagg_lightning.memory_plan.trace import SavedTensorPeak, saved_bytes, weight_keys
+
+    def graph_tensors():
+        gc.collect()
+        return {id(o) for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and o.grad_fn is not None}
+
+    gen = torch.Generator().manual_seed(fresh_seed())
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).double()
+    x = torch.randn(5, 8, generator=gen, dtype=torch.float64)
+    before = graph_tensors()
+    # the first Linear saves its input, tanh its output, the last Linear its input (the same storage), exp its output
+    assert saved_bytes(lambda: net(x).exp(), weight_keys(net)) == (5 * 8 + 5 * 16 + 5 * 4) * 8
+    peak = SavedTensorPeak(weight_keys(net))
+    with torch.autograd.graph.saved_tensors_hooks(peak.pack, peak.unpack):
+        out = net(x).exp()
+    assert peak.live == peak.peak > 0
+    del out
+    assert peak.live == 0 and graph_tensors() <= before
+
+    with torch.autograd.graph.saved_tensors_hooks(peak.pack, peak.unpack):
+        net(x).exp().sum().backward()
+    hooked = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    net(x).exp().sum().backward()
+    for a, b in zip(hooked, (p.grad for p in net.parameters())):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
