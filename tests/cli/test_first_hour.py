@@ -75,6 +75,18 @@ def test_main_job_runs_from_another_directory(digits_fit):
 
 @pytest.mark.subprocess
 @pytest.mark.slow
+def test_the_tiny_config_prints_no_warning(tmp_path):
+    """The embedded default as its header says to run it (one step: a rollout, an update, the routing plot and the
+    sample grid): stderr holds nothing outside quiet.ALLOWED_STDERR -- no "validation_step but no val_dataloader"
+    (tiny.yaml has no held-out prompts, by choice)."""
+    proc = jagg("fit", "--config", ROOT / "configs" / "tiny.yaml", "--trainer.max_steps", 1, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert unexpected_lines(proc.stderr) == [], proc.stderr
+    assert (tmp_path / "outputs/tiny/lora/final/peft/adapter_model.safetensors").is_file()
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("part", ["", "peft", "diffusers"])
 def test_validate_an_exported_adapter_reproduces_what_fit_logged(digits_fit, part):
     cwd, evals, _ = digits_fit
