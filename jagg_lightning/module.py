@@ -45,6 +45,7 @@ from jagg_lightning.policy_checks import check_policy
 from jagg_lightning.reference import attach_reference, reference_networks
 from jagg_lightning.rewards import Reward, build_reward, describe_reward
 from jagg_lightning.rollout import RolloutBatch, RolloutPlan, plan_rollout
+from jagg_lightning.routing import rounding_note
 from jagg_lightning.sampler import EVAL_STEP, Sampler
 from jagg_lightning.strategies import shard_policy
 from jagg_lightning.update import StepReport, UpdateHooks, Updater
@@ -358,6 +359,12 @@ class JAGGModule(L.LightningModule):
     def on_fit_start(self) -> None:
         if self.ema is not None:
             self.ema.start(resumed=self.global_step > 0 or self._ema_restored)
+        # a jagg_frac the rounding turns into all or nothing (the main job: 0.5 of one window): said once, here
+        plan = plan_rollout(self.sampling, self.jagg, self.global_step, self.rollouts_done,
+                            self.policy.expert_starts(self.sampler.times))
+        note = rounding_note(self.jagg.jagg_frac, plan.windows, self.jagg.window_size)
+        if note and self.trainer.is_global_zero:
+            print(note, flush=True)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         trainable = {n for n, _ in self._trainable_named_parameters()}

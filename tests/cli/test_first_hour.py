@@ -118,7 +118,9 @@ def test_predict_with_an_adapter_says_what_it_wrote_and_base_sampling_is_announc
     files = sorted((cwd / "outputs/digits/predictions").glob("*.png"))
     assert unexpected_lines(proc.stderr) == []  # a documented command prints no warning a user cannot act on
     assert len(files) == 30  # the 30 held-out prompts, one sample each
-    assert "wrote 30 images (PNG: p00000_s00.png … p00029_s00.png) to outputs/digits/predictions/" in proc.stdout
+    # the file names carry the prompt (held-out prompt 0 "a handwritten zero", 29 "number 9, handwritten")
+    assert ("wrote 30 images (PNG: p00000_s00_a-handwritten-zero.png … p00029_s00_number-9-handwritten.png) to "
+            "outputs/digits/predictions/") in proc.stdout
     assert "untrained base model" not in proc.stderr
     # what it prints and writes is all that is read: the base model's sampling runs in this process
     base = jagg_in_process("predict", "--config", DIGITS, "--trainer.default_root_dir", tmp_path / "base",
@@ -126,7 +128,7 @@ def test_predict_with_an_adapter_says_what_it_wrote_and_base_sampling_is_announc
                            monkeypatch=monkeypatch)
     assert base.returncode == 0, base.stderr[-3000:]
     assert "no --ckpt_path and no --model.policy.adapter: sampling the untrained base model" in base.stderr
-    assert "wrote 1 image (PNG: p00000_s00.png)" in base.stdout
+    assert "wrote 1 image (PNG: p00000_s00_a-handwritten-seven.png)" in base.stdout
 
 
 @pytest.mark.subprocess

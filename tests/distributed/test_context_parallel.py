@@ -135,8 +135,9 @@ def launch(tmp_path, cases, world, prompts_per_rank, seed, refused=None):
               timeout=400, cwd=ROOT, stderr=stderr)
     # what the `jagg` command prints under context parallelism: no warning outside quiet.ALLOWED_STDERR (diffusers'
     # and torch's notices are filtered with their reasons in quiet.py; docs/configuration.md)
-    for rank, text in enumerate(stderr):
-        assert unexpected_lines(text) == [], (rank, text[-3000:])
+    unexpected = [f"rank {rank}: {line}" for rank, text in enumerate(stderr) for line in unexpected_lines(text)]
+    if unexpected:
+        pytest.fail("\n".join(unexpected), pytrace=False)
     return json.loads((tmp_path / "refused.json").read_text())
 
 
