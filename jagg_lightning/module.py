@@ -83,6 +83,16 @@ def _to_arguments(args: tuple, kwargs: dict) -> tuple:
     return device, dtype
 
 
+def say_jagg_frac_rounding(module) -> None:
+    """On the first process, one line when ``jagg.jagg_frac`` rounds to every or no window of the module's next
+    rollout (the main job: 0.5 of one window routes it; :func:`jagg_lightning.routing.rounding_note`)."""
+    plan = plan_rollout(module.sampling, module.jagg, module.global_step, module.rollouts_done,
+                        module.policy.expert_starts(module.sampler.times))
+    note = rounding_note(module.jagg.jagg_frac, plan.windows, module.jagg.window_size)
+    if note and module.trainer.is_global_zero:
+        print(note, flush=True)
+
+
 class JAGGModule(L.LightningModule):
     """GRPO with JAGG window gradients on a LoRA-adapted flow-matching transformer (manual optimization).
 
@@ -359,12 +369,7 @@ class JAGGModule(L.LightningModule):
     def on_fit_start(self) -> None:
         if self.ema is not None:
             self.ema.start(resumed=self.global_step > 0 or self._ema_restored)
-        # a jagg_frac the rounding turns into all or nothing (the main job: 0.5 of one window): said once, here
-        plan = plan_rollout(self.sampling, self.jagg, self.global_step, self.rollouts_done,
-                            self.policy.expert_starts(self.sampler.times))
-        note = rounding_note(self.jagg.jagg_frac, plan.windows, self.jagg.window_size)
-        if note and self.trainer.is_global_zero:
-            print(note, flush=True)
+        say_jagg_frac_rounding(self)  # a jagg_frac rounded to every or no window: one line, once
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         trainable = {n for n, _ in self._trainable_named_parameters()}

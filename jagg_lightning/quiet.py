@@ -31,6 +31,10 @@ HARMLESS = [
     # it would skip FSDP2's pre-backward hook. The policies never write into the transformer's output in place (they
     # compute the velocity out of place); the FSDP2 tests equal one process (tests/distributed/test_fsdp2*.py).
     (r"FSDP2-wrapped module \(\w+\) returned a view tensor", UserWarning),
+    # The evaluation's val/* and test/* values are sums and counts all-reduced over the data ranks before they are
+    # logged (JAGGModule's evaluation; DigitAccuracy scores the same prompts on every process): every process logs
+    # the same number, and Lightning's suggested sync_dist would only average it once more.
+    (r"It is recommended to use `self.log\('(val|test)/(reward|digit_|judge_)", UserWarning),
 ]
 # log records that are filtered: (logger, message), each with why it is harmless here
 HARMLESS_LOGS = [
@@ -42,6 +46,10 @@ HARMLESS_LOGS = [
     # experimental; the diffusers versions setup.cfg allows are the ones the context-parallel tests pass on
     # (docs/distributed.md says so once, for the user).
     ("diffusers.models.modeling_utils", r"`enable_parallelism` is an experimental feature"),
+    # diffusers' pipelines tokenize a prompt once more without truncation, only to name what the truncation cut; the
+    # encoding itself is truncated. The pipeline's own line naming the cut words ("The following part of your input
+    # was truncated ...": a user can act on it, policy.max_sequence_length) stays.
+    ("transformers.tokenization_utils_base", r"Token indices sequence length is longer than the specified maximum"),
     # Wan's context-parallel plan splits a per-token timestep [B, tokens] (Wan2.2 TI2V) along the tokens; Wan2.1
     # passes one timestep per sample [B], which every token shares: not splitting it is right.
     ("diffusers.hooks.context_parallel", r"Expected input tensor to have 2 dimensions, but got 1 dimensions, "

@@ -135,7 +135,10 @@ def launch(tmp_path, cases, world, prompts_per_rank, seed, refused=None):
               timeout=400, cwd=ROOT, stderr=stderr)
     # what the `jagg` command prints under context parallelism: no warning outside quiet.ALLOWED_STDERR (diffusers'
     # and torch's notices are filtered with their reasons in quiet.py; docs/configuration.md)
-    unexpected = [f"rank {rank}: {line}" for rank, text in enumerate(stderr) for line in unexpected_lines(text)]
+    # diffusers' own line when a prompt is cut (the twins' 8-token max_sequence_length, a 16-token CLIP) is one a
+    # user can act on: kept, and allowed here
+    unexpected = [f"rank {rank}: {line}" for rank, text in enumerate(stderr) for line in unexpected_lines(text)
+                  if not line.startswith("The following part of your input was truncated because")]
     if unexpected:
         pytest.fail("\n".join(unexpected), pytrace=False)
     return json.loads((tmp_path / "refused.json").read_text())
