@@ -41,10 +41,11 @@ def test_your_own_reward_section_runs_as_written(tmp_path, capfd, monkeypatch):
     args = words[words.index("jagg") + 1:]
     assert settings == {"PYTHONPATH": "."} and args[0] == "fit"
 
-    # as the `jagg` console script runs: `python -P` keeps the working directory off the path; the checkout is on it
-    # after the page's entries, as an installed jagg_lightning would be
+    # as the `jagg` console script runs: the working directory off the path (`-c` puts it first: dropped); the
+    # checkout on it after the page's entries, as an installed jagg_lightning would be
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([settings["PYTHONPATH"], str(ROOT)]))
-    proc = subprocess.run([sys.executable, "-P", "-m", "jagg_lightning", *args, "--trainer.max_steps", "2"],
+    console = "import sys; del sys.path[0]; from jagg_lightning.cli import main; main()"
+    proc = subprocess.run([sys.executable, "-c", console, *args, "--trainer.max_steps", "2"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert unexpected_lines(proc.stderr) == [], proc.stderr  # the page's config runs quietly
