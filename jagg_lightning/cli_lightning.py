@@ -196,6 +196,7 @@ class JAGGCLI(LightningCLI):
         newest of ModelCheckpoint's ``last`` files and OnExceptionCheckpoint's), or the Preemption callback's
         checkpoint when that is newer -- a job restarted with the same command after a stop resumes where it stopped."""
         config = self.config_init["fit"]
+        _without_validation_step_if_no_val_data(self.model, self.datamodule)
         try:
             check_new_run(self.trainer, config.get("ckpt_path"), bool(config.get("overwrite")))
         except ValueError as err:
@@ -234,6 +235,18 @@ class JAGGCLI(LightningCLI):
 
     def _error(self, message: str) -> None:
         fail(message)
+
+
+def _without_validation_step_if_no_val_data(model, datamodule) -> None:
+    """A fit without held-out prompts (no ``data.val_prompts``: the data module then has no ``val_dataloader``) runs
+    no validation loop: the model's ``validation_step`` is hidden for this run too, so Lightning does not warn
+    "You defined a `validation_step` but have no `val_dataloader`" -- a choice, not a mistake."""
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if datamodule is None or any(is_overridden("val_dataloader", part) for part in (datamodule, model)):
+        return
+    model.validation_step = LightningModule.validation_step.__get__(model)
 
 
 def fail(message: str) -> None:

@@ -112,7 +112,9 @@ class Collectives:
         every pass, so every process must make as many passes); ``count`` itself otherwise (DDP's backward
         stays local: one gradient all-reduce per update, zeros for a rank without passes)."""
         if self.trainer is not None and self.trainer.world_size > 1 and self.ddp_model() is None:
-            return self.trainer.strategy.all_gather(count).max()
+            count = count.clone()  # an all-reduce of one number (the strategy's all_gather: a deprecated torch API)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            return count
         return count
 
     def gather_rows(self, row: Tensor) -> Tensor:

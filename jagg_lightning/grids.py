@@ -82,9 +82,10 @@ def score_text(score: float) -> str:
 
 
 def count_right(correct: list[list[bool | None]], columns: range) -> str:
-    """'3/8 right' over the cells of ``columns`` in every row (or one row: ``[row]``)."""
+    """'3 of these 8 right' over the cells of ``columns`` in every row (or one row: ``[row]``): a count of the
+    pictured samples, worded so (a held-out accuracy beside it is over samples of its own)."""
     cells = [row[c] for row in correct for c in columns]
-    return f"{sum(bool(x) for x in cells)}/{len(cells)} right"
+    return f"{sum(bool(x) for x in cells)} of these {len(cells)} right"
 
 
 @dataclass
@@ -197,8 +198,8 @@ def labelled_grid(grid: np.ndarray, side: int, row_labels: list[str], column_lab
     height, ``columns`` the cells per row: default from ``marks``, else square cells): every pixel repeated ``scale``
     times (nearest; None = enough for ``min_side`` px of height per image), each cell framed (``marks.correct``: green
     right, red wrong) with its caption under it, one prompt per row at the left (``row_notes``: a second line, e.g.
-    'base 2/4, fine-tuned 4/4 right'), ``column_labels`` above their share of the columns (e.g. ``["base: 12/40
-    right", "fine-tuned, step 60: 25/40 right"]`` over 2 x 4 samples) and ``marks.title`` above all. A video grid
+    'base 2/4, fine-tuned 4/4 right'), ``column_labels`` above their share of the columns (e.g. ``["base: 12 of
+    these 40 right", "fine-tuned, step 60: 25 of these 40 right"]`` over 2 x 4 samples) and ``marks.title`` above all. A video grid
     (uint8 [F, rows*side, cols*W, 3]) is labelled frame by frame. ``group_sizes``: the columns under each label
     (default: even shares; a "source" column before the samples: ``[1, ...]``)."""
     layout = grid_layout(grid, side, row_labels, column_labels, scale, min_side, columns, marks, row_notes,

@@ -51,6 +51,7 @@ from jagg_lightning.policy_checks import check_policy
 from jagg_lightning.reference import attach_reference, reference_networks
 from jagg_lightning.rewards import Reward, build_reward, describe_reward
 from jagg_lightning.rollout import RolloutBatch, RolloutPlan, plan_rollout
+from jagg_lightning.routing import rounding_note
 from jagg_lightning.sampler import EVAL_STEP, Sampler
 from jagg_lightning.strategies import shard_policy
 from jagg_lightning.update import StepReport, UpdateHooks, Updater
@@ -86,6 +87,16 @@ def _to_arguments(args: tuple, kwargs: dict) -> tuple:
         elif isinstance(arg, (str, torch.device)) or (isinstance(arg, int) and not isinstance(arg, bool)):
             device = arg
     return device, dtype
+
+
+def say_jagg_frac_rounding(module) -> None:
+    """On the first process, one line when ``jagg.jagg_frac`` rounds to every or no window of the module's next
+    rollout (the main job: 0.5 of one window routes it; :func:`jagg_lightning.routing.rounding_note`)."""
+    plan = plan_rollout(module.sampling, module.jagg, module.global_step, module.rollouts_done,
+                        module.policy.expert_starts(module.sampler.times))
+    note = rounding_note(module.jagg.jagg_frac, plan.windows, module.jagg.window_size)
+    if note and module.trainer.is_global_zero:
+        print(note, flush=True)
 
 
 class JAGGModule(L.LightningModule):
@@ -365,6 +376,7 @@ class JAGGModule(L.LightningModule):
     def on_fit_start(self) -> None:
         if self.ema is not None:
             self.ema.start(resumed=self.global_step > 0 or self._ema_restored)
+        say_jagg_frac_rounding(self)  # a jagg_frac rounded to every or no window: one line, once
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         trainable = {n for n, _ in self._trainable_named_parameters()}

@@ -97,8 +97,35 @@ def route_windows(
     for w, s in zip(windows, scores, strict=True):
         w.score, w.routed = float(s), False
     eligible = [w for w in windows if len(w.steps) == window_size]
-    count = int(jagg_frac * len(eligible) + 0.5)
+    count = routed_count(jagg_frac, len(eligible))
     for w in sorted(eligible, key=lambda w: w.score)[:count]:
         if score_limit is None or w.score <= score_limit:
             w.routed = True
     return windows
+
+
+def routed_count(jagg_frac: float, eligible: int) -> int:
+    """How many of ``eligible`` full-size windows :func:`route_windows` routes: ``jagg_frac`` x ``eligible`` rounded
+    half up (0.5 of 1 window is 1, 0.4 of 1 is 0)."""
+    return int(jagg_frac * eligible + 0.5)
+
+
+def rounding_note(jagg_frac: float, windows: Sequence[Window], window_size: int) -> str | None:
+    """One line when a ``jagg_frac`` strictly between 0 and 1 rounds to every or to no full-size window of a rollout
+    of ``windows`` (each network's segment rounded apart, as :func:`route_windows` does): the run is then all JAGG or
+    exact GRPO, whatever the fraction reads. None when the fraction is kept in part, or is 0 or 1 (meant so)."""
+    if not 0.0 < jagg_frac < 1.0:
+        return None
+    per_segment = [sum(len(w.steps) == window_size for w in windows if w.segment == seg)
+                   for seg in sorted({w.segment for w in windows})] or [0]
+    routed = [routed_count(jagg_frac, n) for n in per_segment]
+    total, kept = sum(per_segment), sum(routed)
+    if 0 < kept < total:
+        return None
+    what = "every" if kept == total and total else "no"
+    rounding = ", ".join(f"{jagg_frac:g} x {n} = {jagg_frac * n:g} rounds (half up) to {routed_count(jagg_frac, n)}"
+                         for n in per_segment)
+    effect = "as jagg_frac 1 would" if what == "every" else "exact GRPO, as jagg_frac 0 would"
+    return (f"jagg: model.jagg.jagg_frac {jagg_frac:g} routes {what} full-size window to JAGG ({effect}): "
+            f"{total} per rollout (window_size {window_size}), {rounding}; a smaller model.jagg.window_size gives "
+            "more windows to share out")

@@ -78,11 +78,13 @@ class DigitAccuracy(L.Callback):
                 f"{stage}/judge_accuracy": result["judge_accuracy"], f"{stage}/judge_agreement": result["judge_agreement"]}
 
     def column_scores(self) -> dict | None:
-        """{"base": held-out accuracy of the base model, "fine-tuned": of the latest evaluation} (SampleImages
-        writes them on its grids), or None before the first evaluation."""
+        """{"base": held-out accuracy of the base model, "fine-tuned": of the latest evaluation, "samples": how many
+        samples each is over (held-out prompts x ``samples_per_prompt``)} (SampleImages writes them on its grids,
+        beside its own count of the pictured samples), or None before the first evaluation."""
         if not self.history or self.base_result is None:
             return None
-        return {"base": self.base_result["accuracy"], "fine-tuned": self.history[-1][1]}
+        return {"base": self.base_result["accuracy"], "fine-tuned": self.history[-1][1],
+                "samples": self.results[-1].get("samples")}
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         """``jagg validate`` / ``jagg test``: the same evaluation as during fit (same prompts, seeds and samples),

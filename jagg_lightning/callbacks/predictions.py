@@ -1,9 +1,11 @@
-"""``jagg predict`` writes what it draws: one PNG per image (an animated GIF per video), named by prompt index
-and sample."""
+"""``jagg predict`` writes what it draws: one PNG per image (an animated GIF per video), named by prompt index,
+sample and the prompt itself (slugged)."""
 
 from __future__ import annotations
 
 import json
+import re
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -15,11 +17,33 @@ from jagg_lightning.images import gif_bytes
 from jagg_lightning.io import atomic_write
 
 
+SLUG_CHARS = 60  # at most this many characters of the prompt in a file name
+
+
+def slug(prompt: str, limit: int = SLUG_CHARS) -> str:
+    """A prompt as a file-name part: ASCII letters and digits, lower case, every other run of characters one '-',
+    cut to ``limit`` characters at a word's end where one is near ('a handwritten digit 7' -> 'a-handwritten-digit-7');
+    '' when nothing of it is ASCII."""
+    text = unicodedata.normalize("NFKD", prompt).encode("ascii", "ignore").decode().lower()
+    text = re.sub(r"[^a-z0-9]+", "-", text).strip("-")
+    if len(text) <= limit:
+        return text
+    cut = text[:limit + 1].rsplit("-", 1)[0] if "-" in text[limit // 2:limit + 1] else text[:limit]
+    return cut.strip("-")
+
+
+def file_stem(index: int, sample: int, prompt: str) -> str:
+    """``p{index:05d}_s{sample:02d}_{slug}``: unique by (prompt index, sample), sorted in prompt order, readable."""
+    words = slug(prompt)
+    return f"p{index:05d}_s{sample:02d}" + (f"_{words}" if words else "")
+
+
 class PredictionImages(BasePredictionWriter):
     """The images of ``jagg predict``, written as files.
 
-    Writes ``<dirpath>/p{index:05d}_s{sample:02d}.png`` for every predicted image and ``prompts.jsonl``
-    (index, sample, prompt, file).
+    Writes ``<dirpath>/p{index:05d}_s{sample:02d}_{prompt slug}.png`` for every predicted image (the prompt in ASCII
+    letters, digits and '-', at most ``SLUG_CHARS`` characters: :func:`slug`; the index and sample keep names unique)
+    and ``prompts.rank{r}.jsonl`` (index, sample, the whole prompt, file).
 
     Args:
         dirpath: Where to write; null = `<default_root_dir>/predictions`.
@@ -39,7 +63,7 @@ class PredictionImages(BasePredictionWriter):
         lines = []
         for image, prompt, index, sample in zip(prediction["images"], prediction["prompt"], prediction["index"],
                                                 prediction["sample"]):
-            path = root / f"p{int(index):05d}_s{int(sample):02d}.png"
+            path = root / f"{file_stem(int(index), int(sample), str(prompt))}.png"
             if image.ndim == 4:  # a video [F, 3, H, W] (video families): an animated GIF
                 path = path.with_suffix(".gif")
                 frames = (image.permute(0, 2, 3, 1).float().numpy() * 255).round().astype(np.uint8)

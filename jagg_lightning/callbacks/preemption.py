@@ -96,7 +96,9 @@ class Preemption(L.Callback):
             path = Path(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
         else:
             path = self.checkpoint_file(trainer)
-        trainer.save_checkpoint(path)  # every process: a sharded strategy gathers; LoRAExport writes lora/last
+        # every process: a sharded strategy gathers; LoRAExport writes lora/last. A full checkpoint (optimizer, loops,
+        # callbacks: what a resume needs) said outright, or Lightning logs "`weights_only` was not set" on every stop
+        trainer.save_checkpoint(path, weights_only=False)
         self.checkpoint_path = path
         if not trainer.is_global_zero:
             return

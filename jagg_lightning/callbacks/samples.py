@@ -25,7 +25,8 @@ class SampleImages(L.Callback):
     per image), with each row's prompt and each half's name -- and, when a callback measures it (``DigitAccuracy``:
     its ``column_scores``), the held-out accuracy of base and fine-tuned -- written on it, and each image marked by the
     training reward (:func:`jagg_lightning.grids.reward_marks`): its score under it and, when the reward says right /
-    wrong per sample (the digit reward), a green or red frame, counted per row and per half ("base 4/8 right").
+    wrong per sample (the digit reward), a green or red frame, counted per row ("base 1/4, tuned 3/4 right") and per
+    half ("base (adapter off): 4 of these 8 right"; the held-out accuracy beside it: "(240 held-out samples)").
     Writes ``<dirpath>/step_XXXXXX.png`` (default dirpath: ``<log dir>/samples``) and sends the same image to every
     logger that takes images (:func:`jagg_lightning.images.log_image`: TensorBoard, MLflow, ...). ``last_grid`` is
     the unlabelled grid at native size, ``last_marks`` / ``last_layout`` what was drawn on it and where. Conditioned
@@ -92,7 +93,10 @@ class SampleImages(L.Callback):
         return image_grid([cells[i:i + columns] for i in range(0, len(cells), columns)])
 
     def column_labels(self, trainer, marks: GridMarks | None = None) -> list[str]:
-        """Each half's name; the held-out accuracy a callback measured (``column_scores``); the right ones here."""
+        """Each half's name with how many of its pictured samples the reward reads right ("19 of these 40 right")
+        and, when a callback measured it (``column_scores``), the held-out accuracy over that callback's own samples,
+        with their number ("held-out accuracy 0.467 (240 held-out samples)"): two counts of two samples, each saying
+        which."""
         scores = next((c.column_scores() for c in trainer.callbacks if callable(getattr(c, "column_scores", None))),
                       None)
         labels = ["base (adapter off)", f"fine-tuned, step {trainer.global_step}"]
@@ -100,9 +104,10 @@ class SampleImages(L.Callback):
             per = self.samples_per_prompt
             labels = [f"{label}: {count_right(marks.correct, range(h * per, (h + 1) * per))}"
                       for h, label in enumerate(labels)]
-        if scores:
-            labels = [f"{labels[0]}\nheld-out accuracy {scores['base']:.3f}",
-                      f"{labels[1]}\nheld-out accuracy {scores['fine-tuned']:.3f}"]
+        if scores:  # over the callback's own samples (its prompts and seeds, not these): said so
+            over = f" ({scores['samples']} held-out samples)" if scores.get("samples") else ""
+            labels = [f"{labels[0]}\nheld-out accuracy {scores['base']:.3f}{over}",
+                      f"{labels[1]}\nheld-out accuracy {scores['fine-tuned']:.3f}{over}"]
         return labels
 
     def row_notes(self, marks: GridMarks) -> list[str]:

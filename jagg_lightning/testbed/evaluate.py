@@ -37,7 +37,7 @@ def heldout_accuracy(module, reward: DigitReward, prompts: list[str] | None = No
                      seed: int = 1234, num_steps: int | None = None, adapter: bool = True,
                      judge: DigitJudge | None = None) -> dict:
     """{"accuracy": share of samples read as the prompted digit, "reward": mean DigitReward score,
-    "per_digit": [accuracy of digit 0..9]} over ``prompts`` (default: every held-out template x digit).
+    "per_digit": [accuracy of digit 0..9], "samples": how many} over ``prompts`` (default: every held-out template x digit).
 
     With a ``judge`` (:mod:`jagg_lightning.testbed.judge`), on the same images: "judge_accuracy" (share the
     judge reads as the prompted digit) and "judge_agreement" (share where judge and reward's classifier
@@ -50,7 +50,8 @@ def heldout_accuracy(module, reward: DigitReward, prompts: list[str] | None = No
     correct = (read == target).float()
     scores = reward(images, per_sample)
     per_digit = [float(correct[target == d].mean()) if (target == d).any() else float("nan") for d in range(10)]
-    result = {"accuracy": float(correct.mean()), "reward": float(scores.mean()), "per_digit": per_digit}
+    result = {"accuracy": float(correct.mean()), "reward": float(scores.mean()), "per_digit": per_digit,
+              "samples": len(per_sample)}
     if judge is not None:
         judged = judge(images).argmax(-1).cpu()
         result["judge_accuracy"] = float((judged == target).float().mean())

@@ -241,7 +241,9 @@ def test_validate_and_predict_with_the_trained_adapter(cli_run, tmp_path):
     assert guided.model.policy.config.guidance_scale == 1.0  # and is the evaluation's only
     cli = cli_main(["predict", *common, "--ckpt_path", ckpt, "--model.evaluation.samples_per_prompt", "2"])
     files = sorted((tmp_path / "predictions").glob("*.png"))
-    assert [f.name for f in files] == [f"p{i:05d}_s{s:02d}.png" for i in range(3) for s in range(2)]
+    # the prompt in each name (val_prompts: predict falls back to them), unique by prompt index and sample
+    held_out = ["a-held-out-cat", "a-held-out-dog", "a-boat"]
+    assert [f.name for f in files] == [f"p{i:05d}_s{s:02d}_{held_out[i]}.png" for i in range(3) for s in range(2)]
     with Image.open(files[0]) as img:
         assert img.size == cli.model.policy.resolution[::-1]  # (width, height)
 

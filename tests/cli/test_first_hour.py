@@ -75,6 +75,18 @@ def test_main_job_runs_from_another_directory(digits_fit):
 
 @pytest.mark.subprocess
 @pytest.mark.slow
+def test_the_tiny_config_prints_no_warning(tmp_path):
+    """The embedded default as its header says to run it (one step: a rollout, an update, the routing plot and the
+    sample grid): stderr holds nothing outside quiet.ALLOWED_STDERR -- no "validation_step but no val_dataloader"
+    (tiny.yaml has no held-out prompts, by choice)."""
+    proc = jagg("fit", "--config", ROOT / "configs" / "tiny.yaml", "--trainer.max_steps", 1, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert unexpected_lines(proc.stderr) == [], proc.stderr
+    assert (tmp_path / "outputs/tiny/lora/final/peft/adapter_model.safetensors").is_file()
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("part", ["", "peft", "diffusers"])
 def test_validate_an_exported_adapter_reproduces_what_fit_logged(digits_fit, part):
     cwd, evals, _ = digits_fit
@@ -106,7 +118,9 @@ def test_predict_with_an_adapter_says_what_it_wrote_and_base_sampling_is_announc
     files = sorted((cwd / "outputs/digits/predictions").glob("*.png"))
     assert unexpected_lines(proc.stderr) == []  # a documented command prints no warning a user cannot act on
     assert len(files) == 30  # the 30 held-out prompts, one sample each
-    assert "wrote 30 images (PNG: p00000_s00.png … p00029_s00.png) to outputs/digits/predictions/" in proc.stdout
+    # the file names carry the prompt (held-out prompt 0 "a handwritten zero", 29 "number 9, handwritten")
+    assert ("wrote 30 images (PNG: p00000_s00_a-handwritten-zero.png … p00029_s00_number-9-handwritten.png) to "
+            "outputs/digits/predictions/") in proc.stdout
     assert "untrained base model" not in proc.stderr
     # what it prints and writes is all that is read: the base model's sampling runs in this process
     base = jagg_in_process("predict", "--config", DIGITS, "--trainer.default_root_dir", tmp_path / "base",
@@ -114,7 +128,7 @@ def test_predict_with_an_adapter_says_what_it_wrote_and_base_sampling_is_announc
                            monkeypatch=monkeypatch)
     assert base.returncode == 0, base.stderr[-3000:]
     assert "no --ckpt_path and no --model.policy.adapter: sampling the untrained base model" in base.stderr
-    assert "wrote 1 image (PNG: p00000_s00.png)" in base.stdout
+    assert "wrote 1 image (PNG: p00000_s00_a-handwritten-seven.png)" in base.stdout
 
 
 @pytest.mark.subprocess

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from jagg_lightning.quiet import unexpected_lines
 from launch import search_path
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
@@ -74,6 +75,10 @@ def test_sigterm_exits_143_and_resumes_to_the_same_adapter(tmp_path):
     lines = [line for line in stopped.stderr.splitlines() if line.startswith("jagg: ")]
     assert len(lines) == 2 and "SIGTERM received" in lines[0] and "stopped by SIGTERM" in lines[1], lines
     assert "Traceback" not in stopped.stderr
+    # nothing else on stderr: no Lightning notice about the checkpoint it wrote (weights_only) or the absent
+    # validation data (quiet.ALLOWED_STDERR)
+    assert [line for line in unexpected_lines(stopped.stderr) if not line.startswith("jagg: ")] == [], stopped.stderr
+    assert unexpected_lines(done.stderr) == [], done.stderr
     ckpt = first / "checkpoints" / "preempted.ckpt"
     assert ckpt.is_file() and f"--ckpt_path {ckpt}" in lines[1]
     assert (first / "lora" / "last").is_dir() and not (first / "lora" / "final").exists()
@@ -83,5 +88,6 @@ def test_sigterm_exits_143_and_resumes_to_the_same_adapter(tmp_path):
     # never comes
     resumed = fit(tmp_path / "first.yaml", "--ckpt_path", "last", "--model.reward.init_args.at_call", "7")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [line for line in unexpected_lines(resumed.stderr) if not line.startswith("jagg: ")] == [], resumed.stderr
     a, b = adapter(first), adapter(full)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -25,9 +25,10 @@ def free_port() -> int:
 
 
 def run_ranks(script: Path | list[str], *args: str, world: int = 2, timeout: float = 120,
-              cwd: Path | None = None) -> list[str]:
-    """Run ``python script args...`` as ``world`` ranks of one job; returns each rank's stdout. ``script`` may be
-    a list of interpreter arguments instead (``["-m", "jagg_lightning", "fit"]``).
+              cwd: Path | None = None, stderr: list[str] | None = None) -> list[str]:
+    """Run ``python script args...`` as ``world`` ranks of one job; returns each rank's stdout (``stderr``, a list:
+    each rank's stderr appended to it). ``script`` may be a list of interpreter arguments instead
+    (``["-m", "jagg_lightning", "fit"]``).
 
     Every rank gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
     MASTER_ADDR, MASTER_PORT), so Lightning uses its TorchElasticEnvironment and launches nothing itself.
@@ -38,6 +39,8 @@ def run_ranks(script: Path | list[str], *args: str, world: int = 2, timeout: flo
         for r, p in enumerate(procs):
             out, err = p.communicate(timeout=timeout)
             outputs.append(out)
+            if stderr is not None:
+                stderr.append(err)
             if p.returncode != 0:
                 failed.append(f"rank {r} exited {p.returncode}:\n{err[-4000:]}")
     finally:

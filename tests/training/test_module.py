@@ -213,6 +213,26 @@ def test_bad_configuration_through_cli_names_the_field(capfd, monkeypatch):
     assert "Traceback" not in proc.stderr  # the module's message, not a stack
 
 
+@pytest.mark.parametrize("window_size,said", [(9, True), (4, False)])
+def test_a_jagg_frac_that_rounds_to_every_window_is_said_once_at_fit_start(window_size, said, tmp_path, capfd,
+                                                                          monkeypatch):
+    """tiny.yaml's jagg_frac 0.5 over its 9 trained steps: W = 9 is one window, which 0.5 rounds to routing (one
+    line naming the field, the windows per rollout and what it rounds to); W = 4 gives two full windows, one routed
+    (nothing said)."""
+    proc = jagg_in_process("fit", "--config", ROOT / "configs/tiny.yaml", "--model.jagg.window_size", window_size,
+                           "--trainer.max_steps", 0, "--trainer.logger", "false", "--trainer.callbacks", "null",
+                           "--trainer.default_root_dir", tmp_path, "--lora_export.dirpath", tmp_path / "lora",
+                           cwd=tmp_path, capfd=capfd, monkeypatch=monkeypatch)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if "model.jagg.jagg_frac" in line]
+    if said:
+        assert lines == ["jagg: model.jagg.jagg_frac 0.5 routes every full-size window to JAGG (as jagg_frac 1 "
+                         "would): 1 per rollout (window_size 9), 0.5 x 1 = 0.5 rounds (half up) to 1; a smaller "
+                         "model.jagg.window_size gives more windows to share out"], proc.stdout
+    else:
+        assert lines == [], proc.stdout
+
+
 def test_lora_stays_float32_on_a_bfloat16_model(rng_seed):
     policy = SD3Policy(tiny_policy_config(dtype="bfloat16"))
     lora = policy.lora_parameters()
