@@ -41,8 +41,8 @@ from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.callbacks.preemption import DEFAULT_SIGNALS
 from jagg_lightning.callbacks.progress import StepProgressBar
 from jagg_lightning.cli_errors import (
-    as_user_field, check_checkpoint_file, check_trainer, command_line_keys, explain_parse_error, flat_keys, one_line,
-    strategy_error,
+    PIP_NAMES, as_user_field, check_checkpoint_file, check_trainer, command_line_keys, explain_parse_error, flat_keys,
+    missing_package, one_line, strategy_error,
 )
 from jagg_lightning.cli_outputs import check_new_run, last_candidates
 from jagg_lightning.data import PromptDataModule
@@ -189,6 +189,11 @@ class JAGGCLI(LightningCLI):
             super().instantiate_classes()
         except (ValueError, FileNotFoundError) as err:
             self._error(str(err))
+        except ImportError as err:  # a reward built by name whose optional package is missing (its own message)
+            line = missing_package(f"{err}; {err.__cause__ or ''}")
+            if line is None:
+                raise
+            self._error(line)
 
     def before_fit(self) -> None:
         """A new run never replaces an earlier run's adapter or checkpoints (:mod:`jagg_lightning.cli_outputs`: one
@@ -238,7 +243,8 @@ class JAGGCLI(LightningCLI):
 
 def fail(message: str) -> None:
     """One ``jagg: error:`` line (the field as the user wrote it), exit status 2."""
-    print(f"jagg: error: {strategy_error(message) or one_line(as_user_field(message))}", file=sys.stderr)
+    line = strategy_error(message) or missing_package(message) or one_line(as_user_field(message))
+    print(f"jagg: error: {line}", file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -264,6 +270,10 @@ def cli_main(args=None, run: bool = True) -> JAGGCLI:
         fail(f"ckpt_path {err.ckpt_path}: {err}")
     except MisconfigurationException as err:  # Lightning's checks of trainer settings at fit start
         fail(f"trainer: {err}")
+    except ModuleNotFoundError as err:  # an optional package imported on first use (a logger's writer)
+        if (err.name or "").split(".")[0] not in PIP_NAMES:
+            raise
+        fail(missing_package(str(err)))
 
 
 class ParseOnlyCLI(JAGGCLI):
