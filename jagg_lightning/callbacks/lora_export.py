@@ -10,7 +10,7 @@ import lightning as L
 
 from jagg_lightning.adapters import lora_state_dict, save_adapter
 from jagg_lightning.callbacks.progress import finish_progress_bar
-from jagg_lightning.io import atomic_directory
+from jagg_lightning.io import atomic_directory, remove_directory
 
 export_lora = save_adapter  # the name this module has always exported
 
@@ -23,7 +23,9 @@ class LoRAExport(L.Callback):
     ``<dir>/<last|final>/transformer_2``; :mod:`jagg_lightning.export`).
 
     dirpath: where to write; None = ``<trainer.default_root_dir>/lora``. Holds ``last/`` (updated at
-    every checkpoint) and ``final/`` (end of fit); ``exported`` maps each to the path written. ``jagg fit`` does not
+    every checkpoint) and ``final/`` (end of fit), which supersedes ``last/``: once ``final/`` is written whole,
+    ``last/`` is removed (crash-safely, :func:`~jagg_lightning.io.remove_directory`). ``exported`` maps each to the
+    path written. ``jagg fit`` does not
     start a new run into a folder that holds an earlier run's ``last/`` or ``final/`` (:mod:`jagg_lightning.cli_outputs`,
     ``--overwrite true``).
     """
@@ -70,5 +72,7 @@ class LoRAExport(L.Callback):
         path = self._export(trainer, pl_module, "final")
         if path is not None:
             self.exported["final"] = path
+            remove_directory(self.folder(trainer) / "last")  # an older adapter beside the final one misleads
+            self.exported.pop("last", None)
             finish_progress_bar(trainer, pl_module)  # the line below the finished bar, not above its last redraw
             print(f"LoRA adapter written to {path}")
