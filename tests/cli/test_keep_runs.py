@@ -271,3 +271,42 @@ def test_the_main_jobs_whole_run_follows_its_one_flag():
     as_written = parse_config(["--config", digits])
     assert as_written.trainer.logger.init_args.save_dir == "outputs/digits"
     assert as_written.lora_export.dirpath == "outputs/digits/lora"
+
+
+@pytest.mark.parametrize("dies_at", [1, 2])
+def test_removing_a_superseded_export_leaves_no_half_folder_and_nothing_to_recover(dies_at, tmp_path, rng_seed,
+                                                                                  monkeypatch):
+    """``remove_directory`` (what drops lora/last once final is written): each folder is renamed aside before it is
+    deleted, so a remover that dies while deleting (the earlier writer's ``.last.old``: ``dies_at`` 1, ``last``
+    itself: 2) leaves ``last`` whole or gone, never half; ``.last.old`` goes first (else a later write would recover
+    it as ``last``)."""
+    import shutil as shutil_lib
+
+    from jagg_lightning.io import readable_path, recover_directory, remove_directory
+
+    rng = np.random.default_rng(rng_seed)
+    target = tmp_path / "lora" / "last"
+    for folder in (target, tmp_path / "lora" / ".last.old"):
+        (folder / "peft").mkdir(parents=True)
+        (folder / "peft" / "adapter_model.safetensors").write_bytes(rng.bytes(256))
+    whole = (target / "peft" / "adapter_model.safetensors").read_bytes()
+    (tmp_path / "lora" / "final").mkdir()
+    calls, rmtree = [], shutil_lib.rmtree
+
+    def dies(path, ignore_errors=False):  # the remover killed half-way through deleting its dies_at-th folder
+        calls.append(path)
+        if len(calls) == dies_at:
+            next(p for p in Path(path).rglob("*") if p.is_file()).unlink()
+            raise KeyboardInterrupt
+        rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(shutil_lib, "rmtree", dies)
+    with pytest.raises(KeyboardInterrupt):
+        remove_directory(target)
+    monkeypatch.undo()
+    recover_directory(target)  # what the next write does first
+    found = readable_path(target)
+    assert (not found.exists()) if dies_at == 2 else (found / "peft/adapter_model.safetensors").read_bytes() == whole
+    remove_directory(target)
+    recover_directory(target)
+    assert not readable_path(target).exists() and (tmp_path / "lora" / "final").is_dir()
