@@ -71,6 +71,37 @@ def strategy_error(message: str) -> str | None:
     return f"trainer.strategy.{field.group(1)}: {field.group(2)}" if field else None
 
 
+# an optional module -> what to install for it (docs/callbacks.md "Loggers", docs/rewards.md)
+PIP_NAMES = {"tensorboard": "tensorboard", "tensorboardX": "tensorboard", "mlflow": "mlflow-skinny", "wandb": "wandb",
+             "comet_ml": "comet-ml", "neptune": "neptune", "rapidocr_onnxruntime": "'jagg_lightning[ocr]'",
+             "hpsv2": "'jagg_lightning[rewards]' and pip install --no-deps hpsv2x==1.2.0", "starlette": "'jagg_lightning[serve]'",
+             "uvicorn": "'jagg_lightning[serve]'"}
+_MISSING = (re.compile(r"Neither `(tensorboard)` nor `tensorboardX` is available"),  # Lightning's TensorBoardLogger
+            re.compile(r"Requirement '([\w.-]+?)(?:[<>=!~;\[].*?)?' not met"),  # Lightning's other loggers
+            re.compile(r"No module named '([\w]+)"))  # any import: its top-level module
+
+
+def missing_package(message: str, field: str | None = None) -> str | None:
+    """One line for a logger or reward whose optional package is not installed, out of whatever wraps it
+    (jsonargparse's "Does not validate against any of the Union subtypes", Lightning's requirement hint, an
+    ImportError): ``trainer.logger: lightning.pytorch.loggers.TensorBoardLogger needs tensorboard, which is not
+    installed: pip install tensorboard``. None when the message is about something else."""
+    text = one_line(message)
+    module = next((m.group(1) for pattern in _MISSING for m in [pattern.search(text)] if m), None)
+    if module is None:
+        return None
+    own = re.search(r"(reward \w+) needs", text)  # our rewards say what they need (and whose extra)
+    given = re.search(r"Problem with given class_path '([\w.]+)'", text)
+    if field is None:
+        field = ("trainer.logger" if "loggers.logger.Logger" in text else
+                 "model.reward" if "rewards.base.Reward" in text or own else None)
+    what = own.group(1) if own else given.group(1) if given else None
+    install = PIP_NAMES.get(module) or PIP_NAMES.get(module.replace("-", "_"))
+    how = f"pip install {install}" if install else "install the package that provides it"
+    needs = f"{what} needs the {module} module" if what else f"the Python module {module!r} is missing"
+    return (f"{field}: " if field else "") + f"{needs}, which is not installed: {how}"
+
+
 def explain_parse_error(message: str, argv: list[str], known: set[str]) -> str:
     """One line for a jsonargparse error: the unknown key with a suggestion and its file, or the bad value."""
     unknown = re.search(r"does not accept option '([\w.]+)'|unrecognized arguments: --([\w.]+)"

@@ -41,10 +41,10 @@ from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.callbacks.preemption import DEFAULT_SIGNALS
 from jagg_lightning.callbacks.progress import StepProgressBar
 from jagg_lightning.cli_errors import (
-    as_user_field, check_checkpoint_file, check_trainer, command_line_keys, explain_parse_error, flat_keys, one_line,
-    strategy_error,
+    PIP_NAMES, as_user_field, check_checkpoint_file, check_trainer, command_line_keys, explain_parse_error, flat_keys,
+    missing_package, one_line, strategy_error,
 )
-from jagg_lightning.cli_outputs import check_new_run, last_candidates
+from jagg_lightning.cli_outputs import check_new_run, follow_root, last_candidates
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.io import WriteError
 from jagg_lightning.checks import PolicyBuildError, check_precision
@@ -105,6 +105,32 @@ class JAGGCLI(LightningCLI):
         self._argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else sys.argv[1:]
         super().parse_arguments(parser, args)
         self._resume = self._model_as_given()  # LightningCLI then replaces the model section on --ckpt_path
+        self._config_root = self._root_of_the_configs(parser)
+
+    def _root_of_the_configs(self, parser):
+        """The ``trainer.default_root_dir`` the configs give, when the command line gives another (the run's paths
+        inside it follow: :func:`~jagg_lightning.cli_outputs.follow_root`); ``False`` when it gives none."""
+        flag = "--trainer.default_root_dir"
+        if not any(a == flag or a.startswith(flag + "=") for a in self._argv):
+            return False
+        argv, skip = [], False
+        for a in self._argv:
+            if skip or a.startswith(flag + "="):
+                skip = False
+                continue
+            skip = a == flag
+            if not skip:
+                argv.append(a)
+        configs = parser.parse_args(argv)
+        subcommand = configs.get("subcommand")
+        return (configs.get(subcommand) if subcommand else configs).get("trainer.default_root_dir")
+
+    def _follow_root(self, config) -> None:
+        if self._config_root is False:
+            return
+        given = {f"trainer.{k.replace('.init_args', '')}" for k in command_line_keys(self._argv, "trainer")}
+        given |= {f"lora_export.{k}" for k in command_line_keys(self._argv, "lora_export")}
+        follow_root(config, self._config_root, given)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(LoRAExport, "lora_export")
@@ -160,6 +186,7 @@ class JAGGCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         self._apply_resume_overrides()
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        self._follow_root(config)
         try:  # LightningCLI builds the model before the datamodule: check both before any model is built
             check_trainer(config.get("trainer"))
             check_precision(config.get("trainer", {}).get("precision"), config.get("model.policy.dtype"))
@@ -189,6 +216,11 @@ class JAGGCLI(LightningCLI):
             super().instantiate_classes()
         except (ValueError, FileNotFoundError) as err:
             self._error(str(err))
+        except ImportError as err:  # a reward built by name whose optional package is missing (its own message)
+            line = missing_package(f"{err}; {err.__cause__ or ''}")
+            if line is None:
+                raise
+            self._error(line)
 
     def before_fit(self) -> None:
         """A new run never replaces an earlier run's adapter or checkpoints (:mod:`jagg_lightning.cli_outputs`: one
@@ -251,7 +283,8 @@ def _without_validation_step_if_no_val_data(model, datamodule) -> None:
 
 def fail(message: str) -> None:
     """One ``jagg: error:`` line (the field as the user wrote it), exit status 2."""
-    print(f"jagg: error: {strategy_error(message) or one_line(as_user_field(message))}", file=sys.stderr)
+    line = strategy_error(message) or missing_package(message) or one_line(as_user_field(message))
+    print(f"jagg: error: {line}", file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -277,6 +310,10 @@ def cli_main(args=None, run: bool = True) -> JAGGCLI:
         fail(f"ckpt_path {err.ckpt_path}: {err}")
     except MisconfigurationException as err:  # Lightning's checks of trainer settings at fit start
         fail(f"trainer: {err}")
+    except ModuleNotFoundError as err:  # an optional package imported on first use (a logger's writer)
+        if (err.name or "").split(".")[0] not in PIP_NAMES:
+            raise
+        fail(missing_package(str(err)))
 
 
 class ParseOnlyCLI(JAGGCLI):

@@ -1,10 +1,16 @@
-"""``jagg fit`` never replaces what an earlier run trained: a new run into folders that hold an earlier run's
-exported adapter (``lora/final``, ``lora/last``: :class:`~jagg_lightning.callbacks.LoRAExport`) or checkpoints stops
-at start, before any model is built, with one line naming the folder and the ways on:
+"""One run, one folder: ``--trainer.default_root_dir DIR`` puts a whole run there, and ``jagg fit`` never replaces what
+an earlier run trained.
 
-- another folder for this run (``--lora_export.dirpath``, ``--trainer.default_root_dir``);
-- ``--ckpt_path``: this run continues that one (resume), and writes on in its folders;
-- ``--overwrite true``: replace them (the earlier run's files are replaced as the new run writes).
+**The run's folder.** Every path a config places inside its own ``trainer.default_root_dir`` -- the logger's
+``save_dir``, ``lora_export.dirpath``, a callback's ``dirpath`` (checkpoints, sample grids, predictions) -- moves with
+it when the command line gives another ``--trainer.default_root_dir`` (:func:`follow_root`), unless the command line
+sets that path too. What a config leaves unset is there already (``<root>/lora``, ``<root>/checkpoints``, ...).
+
+**No run replaces another.** A new run into folders that hold an earlier run's exported adapter (``lora/final``,
+``lora/last``: :class:`~jagg_lightning.callbacks.LoRAExport`) or checkpoints stops at start, before any model is built,
+with one line naming the folder and the ways on: a folder of its own (``--trainer.default_root_dir``); ``--ckpt_path``
+when that run left a checkpoint (this run then continues it and writes on in its folders); ``--overwrite true``
+(replace them as the new run writes).
 
 A run is new unless it resumes: ``--ckpt_path`` names a checkpoint, ``--ckpt_path last`` finds one (Lightning's
 choice, or the Preemption callback's), or Lightning finds a SLURM ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``
@@ -16,6 +22,7 @@ Logs, sample grids and predictions are not looked at: Lightning's loggers give e
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
@@ -24,6 +31,43 @@ from jagg_lightning.callbacks import LoRAExport, Preemption
 from jagg_lightning.io import readable_path
 
 EXPORTS = ("final", "last")  # what LoRAExport writes under its folder
+RUN_PATHS = ("dirpath", "save_dir")  # the init arguments of loggers and callbacks that say where a run writes
+
+
+def moved(path, old_root, new_root) -> str | None:
+    """``path`` moved from inside ``old_root`` (None: the working directory, as Lightning reads it) to the same place
+    inside ``new_root``; None when ``path`` is not inside ``old_root``."""
+    if path is None:
+        return None
+    inside = os.path.relpath(os.path.abspath(path), os.path.abspath(old_root or os.getcwd()))
+    if inside == os.pardir or inside.startswith(os.pardir + os.sep):
+        return None
+    return str(new_root) if inside == os.curdir else os.path.join(str(new_root), inside)
+
+
+def follow_root(config, old_root, given: set[str]) -> dict[str, str]:
+    """Move into ``config``'s ``trainer.default_root_dir`` every run path that ``old_root`` (the root the config files
+    gave) held: ``lora_export.dirpath`` and the loggers' and callbacks' ``dirpath`` / ``save_dir`` -- except the keys
+    in ``given`` (set on the command line: ``lora_export.dirpath``, ``trainer.logger.save_dir``). ``config`` is the
+    subcommand's jsonargparse Namespace, changed in place; returns {key: new path}."""
+    new_root, changes = config.get("trainer.default_root_dir"), {}
+    if new_root is None:
+        return changes
+    if "lora_export.dirpath" not in given:
+        path = moved(config.get("lora_export.dirpath"), old_root, new_root)
+        if path is not None:
+            config["lora_export.dirpath"] = changes["lora_export.dirpath"] = path
+    for section in ("logger", "callbacks"):
+        value = config.get(f"trainer.{section}")
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            arguments = getattr(item, "init_args", None)
+            for name in RUN_PATHS:
+                key = f"trainer.{section}.{name}"
+                path = None if key in given else moved(getattr(arguments, name, None), old_root, new_root)
+                if path is not None:
+                    setattr(arguments, name, path)
+                    changes[f"{item.class_path.rsplit('.', 1)[-1]}.{name}"] = path
+    return changes
 
 
 def last_candidates(trainer) -> set[Path]:
@@ -80,7 +124,9 @@ def earlier_outputs(trainer) -> list[tuple[str, Path, list[str]]]:
 
 
 def check_new_run(trainer, ckpt_path, overwrite: bool) -> None:
-    """ValueError (one line) when a new run would replace an earlier run's adapter or checkpoints."""
+    """ValueError (one line) when a new run would replace an earlier run's adapter or checkpoints: it names the flag
+    that gives this run a folder of its own, ``--ckpt_path`` only when the earlier run left a checkpoint to continue
+    from, and ``--overwrite true``."""
     if overwrite or resumes(trainer, ckpt_path):
         return
     found = earlier_outputs(trainer)
@@ -88,6 +134,13 @@ def check_new_run(trainer, ckpt_path, overwrite: bool) -> None:
         return
     field, folder, names = found[0]
     what = "adapter" if field == "lora_export.dirpath" else "checkpoints"
+    root = Path(trainer.default_root_dir)
+    if moved(folder, root, root) is not None:  # inside the run's folder: the one flag moves it all
+        own = "--trainer.default_root_dir <another folder> (logs, checkpoints, adapter and images all go there)"
+    elif field == "lora_export.dirpath":
+        own = "--lora_export.dirpath <another folder>"
+    else:
+        own = f"another dirpath for the callback that checkpoints to {str(folder)!r}"
     checkpoints = [where / n for kind, where, found_names in found if kind == "checkpoints" for n in found_names]
     resume = ""
     if checkpoints:
@@ -95,5 +148,5 @@ def check_new_run(trainer, ckpt_path, overwrite: bool) -> None:
         resume = f", continue that run with --ckpt_path {newest}"
     raise ValueError(
         f"{field}: {str(folder)!r} holds an earlier run's {what} ({', '.join(names)}); a new fit does not write over "
-        f"them (nothing was started): give this run its own folder (--trainer.default_root_dir, --lora_export.dirpath)"
-        f"{resume}, or let it replace them with --overwrite true")
+        f"them (nothing was started): give this run its own folder with {own}{resume}, or let it replace them with "
+        "--overwrite true")

@@ -44,6 +44,8 @@ KINDS = ("ulysses", "ring")
 _SEQUENCE_FIELDS = {"encoder_hidden_states": "policy.max_sequence_length", "txt_ids": "policy.max_sequence_length",
                     "encoder_hidden_states_mask": "policy.max_sequence_length"}
 _IMAGE_FIELDS = "policy.resolution / policy.num_frames"
+# outputs a plan splits (``split_output``) that are not image tokens: (module, output index) -> the field
+_OUTPUT_FIELDS = {("pos_embed", 1): "policy.max_sequence_length"}  # Qwen-Image's text rotary frequencies
 
 
 def check_context_options(size, kind, world: int | None = None) -> None:
@@ -116,9 +118,9 @@ class ContextParallel:
             self._check_backend()
             config = self.parallel_config()
             _resolve_on(network, config, self.device)
+            _check_splits(network, plan, self.size)  # before diffusers' hooks: see _check_splits
             network.enable_parallelism(config=config, cp_plan=plan)
             del network._resolve_parallel_config  # the instance's override (the class method again)
-            _check_splits(network, plan, self.size)
             self.applied.append(network)
 
 
@@ -174,21 +176,43 @@ def _resolve_on(network: nn.Module, config, device: torch.device) -> None:
 
 
 def _check_splits(network: nn.Module, plan: dict, size: int) -> None:
-    """A forward pre-hook on every module the plan splits an input of: each tensor of the expected rank must
-    divide along its split dimension by ``size``, else a ValueError naming the policy field it comes from."""
-    from diffusers.models._modeling_parallel import ContextParallelInput
-    from diffusers.hooks.context_parallel import _get_submodule_by_name
+    """Every tensor the plan splits must divide along its split dimension by ``size``, else a
+    :class:`ContextParallelError` naming the policy field its length comes from -- on every rank alike, before
+    diffusers' bare ``assert`` in its sharder. Registered BEFORE ``enable_parallelism``:
 
+    - a split input is checked by a torch forward pre-hook, which runs before the module's ``forward`` and so before
+      the split diffusers' hook registry wraps around ``forward``;
+    - a split output (``split_output=True``: Wan's rotary embedding, Qwen-Image's ``pos_embed``, computed before the
+      first block) by a diffusers hook of its own, registered first and so innermost: its ``post_forward`` sees the
+      whole output before diffusers' splits it."""
+    from diffusers.hooks import HookRegistry
+    from diffusers.hooks.context_parallel import _get_submodule_by_name
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    owner = type(network).__name__
     for name, entries in plan.items():
         if not isinstance(entries, dict):
             continue
-        inputs = {k: v for k, v in entries.items() if isinstance(k, str) and isinstance(v, ContextParallelInput)
-                  and not v.split_output}
-        if not inputs:
-            continue
+        specs = {k: v for k, v in entries.items() if isinstance(v, ContextParallelInput)}
+        inputs = {k: v for k, v in specs.items() if isinstance(k, str) and not v.split_output}
+        outputs = {k: v for k, v in specs.items() if isinstance(k, int) and v.split_output}
         modules = _get_submodule_by_name(network, name)
         for module in modules if isinstance(modules, list) else [modules]:
-            module.register_forward_pre_hook(_split_check(inputs, size, type(network).__name__), with_kwargs=True)
+            if inputs:
+                module.register_forward_pre_hook(_split_check(inputs, size, owner), with_kwargs=True)
+            if outputs:
+                HookRegistry.check_if_exists_or_initialize(module).register_hook(
+                    _split_output_check(outputs, size, owner, name), "jagg_split_output_check")
+
+
+def _refuse_indivisible(value, spec, size: int, where: str, what: str) -> None:
+    if not isinstance(value, torch.Tensor) or (spec.expected_dims is not None and value.dim() != spec.expected_dims):
+        return  # diffusers does not split it either
+    length = value.shape[spec.split_dim]
+    if length % size:
+        raise ContextParallelError(
+            f"{where}: {what} has {length} tokens, which do not split into "
+            f"trainer.strategy.context_parallel_size {size} equal parts; choose a size that makes them divide")
 
 
 def _split_check(inputs: dict, size: int, owner: str):
@@ -203,15 +227,23 @@ def _split_check(inputs: dict, size: int, owner: str):
         for key, spec in inputs.items():
             index = positions.get(key, len(args))
             value = kwargs.get(key, args[index] if index < len(args) else None)
-            if not isinstance(value, torch.Tensor) or (spec.expected_dims is not None and
-                                                       value.dim() != spec.expected_dims):
-                continue
-            length = value.shape[spec.split_dim]
-            if length % size:
-                where = _SEQUENCE_FIELDS.get(key, _IMAGE_FIELDS)
-                raise ContextParallelError(
-                    f"{where}: {owner}'s {key} has {length} tokens, which do not split into "
-                    f"trainer.strategy.context_parallel_size {size} equal parts; choose a size that makes them divide")
+            _refuse_indivisible(value, spec, size, _SEQUENCE_FIELDS.get(key, _IMAGE_FIELDS), f"{owner}'s {key}")
         return None
 
     return hook
+
+
+def _split_output_check(outputs: dict, size: int, owner: str, name: str):
+    """A diffusers hook whose ``post_forward`` checks the outputs the plan splits, whole (see :func:`_check_splits`)."""
+    from diffusers.hooks import ModelHook
+
+    class SplitOutputCheck(ModelHook):
+        def post_forward(self, module, output):
+            values = [output] if isinstance(output, torch.Tensor) else list(output)
+            for index, spec in outputs.items():
+                value = values[index] if index < len(values) else None
+                _refuse_indivisible(value, spec, size, _OUTPUT_FIELDS.get((name, index), _IMAGE_FIELDS),
+                                    f"{owner}'s {name} output {index}")
+            return output
+
+    return SplitOutputCheck()

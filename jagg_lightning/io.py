@@ -171,6 +171,20 @@ def recover_directory(target: Path) -> None:
         os.rename(old, target)
 
 
+def remove_directory(target: str | Path) -> None:
+    """Remove the folder ``target`` (and an earlier one a killed writer left at ``.<name>.old``, which would otherwise be
+    renamed back) so that no reader finds a half-removed one: each is first renamed to a hidden temporary sibling,
+    then deleted; what a killed remover leaves there goes with the next write's clean-up (:func:`remove_stale_temps`)."""
+    target = Path(target)
+    for folder in (_old_name(target), target):  # the .old one first: alone it would be recovered as target
+        if not folder.is_dir() or folder.is_symlink():
+            continue
+        tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(target), dir=target.parent))
+        os.rename(folder, tmp)  # onto the empty folder: one atomic step
+        _sync_parent(target)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def readable_path(path: str | Path) -> Path:
     """``path``, or where it lies while a writer killed between the fallback's two renames left its folder (or a
     folder above it) at ``.<name>.old`` (see the module docstring)."""

@@ -10,7 +10,7 @@ import lightning as L
 
 from jagg_lightning.adapters import lora_state_dict, save_adapter
 from jagg_lightning.callbacks.progress import finish_progress_bar
-from jagg_lightning.io import atomic_directory
+from jagg_lightning.io import atomic_directory, remove_directory
 
 export_lora = save_adapter  # the name this module has always exported
 
@@ -22,8 +22,10 @@ class LoRAExport(L.Callback):
 
     The EMA weights when enabled; with ``policy.trainable: full`` the whole transformer instead, as
     ``<dir>/<last|final>/transformer`` (Wan2.2: and ``<dir>/<last|final>/transformer_2``; ``jagg_lightning.export``).
-    ``exported`` maps ``last`` and ``final`` to the path written. ``jagg fit`` does not start a new run into a folder
-    that holds an earlier run's ``last/`` or ``final/`` (``jagg_lightning.cli_outputs``, ``--overwrite true``).
+    ``final/`` supersedes ``last/``: once ``final/`` is written whole, ``last/`` is removed (crash-safely,
+    ``jagg_lightning.io.remove_directory``). ``exported`` maps ``last`` and ``final`` to the path written. ``jagg fit``
+    does not start a new run into a folder that holds an earlier run's ``last/`` or ``final/``
+    (``jagg_lightning.cli_outputs``, ``--overwrite true``).
 
     Args:
         dirpath: Where to write: `last/` (updated at every checkpoint) and `final/` (end of fit), each with `peft/`
@@ -72,5 +74,7 @@ class LoRAExport(L.Callback):
         path = self._export(trainer, pl_module, "final")
         if path is not None:
             self.exported["final"] = path
+            remove_directory(self.folder(trainer) / "last")  # an older adapter beside the final one misleads
+            self.exported.pop("last", None)
             finish_progress_bar(trainer, pl_module)  # the line below the finished bar, not above its last redraw
             print(f"LoRA adapter written to {path}")

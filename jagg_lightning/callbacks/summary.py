@@ -1,5 +1,7 @@
 """What a run came to, printed once at its end (rank 0), below the finished progress bar: every ``val/*`` (``test/*``)
-metric first -> last, the wall and CPU time, and where the adapter, the checkpoints, the logs and the images are."""
+metric first -> last, the wall and CPU time, and where the adapter, the checkpoints (the one a resumed fit started from
+among them), the logs and the images are. A resumed fit says so as it starts: ``jagg fit: resuming from step N of
+<checkpoint>``."""
 
 from __future__ import annotations
 
@@ -60,11 +62,14 @@ class RunSummary(L.Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._start = (time.time(), time.perf_counter(), time.process_time())
-        self._first_step, self._done, self.series = trainer.global_step, False, {}
+        self._first_step, self._done, self.series, self._resumed = trainer.global_step, False, {}, None
         self._log_dir = log_dir(trainer) if trainer.loggers else None  # on every process: it broadcasts
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._first_step = trainer.global_step  # after a checkpoint is restored
+        self._resumed = (trainer.ckpt_path, trainer.global_step) if trainer.ckpt_path else None
+        if self._resumed and trainer.is_global_zero:
+            self.print_fn(f"jagg fit: resuming from step {trainer.global_step} of {trainer.ckpt_path}")
 
     def _record(self, trainer) -> None:
         for name, value in trainer.callback_metrics.items():
@@ -149,11 +154,13 @@ class RunSummary(L.Callback):
                 for path in (callback.best_model_path, callback.last_model_path):
                     if path and Path(path).is_file():
                         saved.setdefault(Path(path).parent, []).append(Path(path).name)
+        lines = [_list(folder, sorted(set(names))) for folder, names in saved.items()]
         if not saved:
             why = "" if trainer.checkpoint_callbacks else " (trainer.enable_checkpointing: false)"
-            return [f"  {'checkpoints':<12} none{why}"]
-        return [f"  {'checkpoints' if i == 0 else '':<12} {_list(folder, sorted(set(names)))}"
-                for i, (folder, names) in enumerate(saved.items())]
+            lines = [("none written" if self._resumed else "none") + why]
+        if self._resumed:  # where this run took up an earlier one (a Preemption checkpoint, too)
+            lines.insert(0, f"resumed from {self._resumed[0]} (step {self._resumed[1]})")
+        return [f"  {'checkpoints' if i == 0 else '':<12} {line}" for i, line in enumerate(lines)]
 
     def picture_lines(self, trainer) -> list[str]:
         """The pictures this run wrote: the callbacks' ``written`` lists and what is new in the log directory."""

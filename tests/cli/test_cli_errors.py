@@ -176,3 +176,58 @@ def test_version_and_help_say_what_the_tool_is(tmp_path):
     assert version.returncode == 0 and version.stdout.strip() == f"jagg {__version__}"
     help_text = jagg("--help", cwd=tmp_path).stdout
     assert "GRPO fine-tuning of flow-matching text-to-image transformers" in help_text
+
+
+class NotInstalled:
+    """A meta-path finder for which ``packages`` are not installed: their import fails as a missing module's does and
+    their distribution metadata is not found (Lightning asks for it before importing a logger's package)."""
+
+    def __init__(self, packages):
+        self.packages = set(packages)
+
+    def _blocked(self, name):
+        return name is not None and name.split(".")[0].replace("-", "_").lower() in {p.lower() for p in self.packages}
+
+    def find_spec(self, name, path=None, target=None):
+        if self._blocked(name):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+    def find_distributions(self, context=None):
+        import importlib.metadata
+
+        if context is not None and self._blocked(context.name):
+            raise importlib.metadata.PackageNotFoundError(context.name)
+        return iter(())
+
+
+def without(packages, *jagg_args, cwd) -> subprocess.CompletedProcess:
+    """A real `jagg` process in which ``packages`` are not installed."""
+    import inspect
+
+    code = "\n".join(["import sys", inspect.getsource(NotInstalled), f"sys.meta_path.insert(0, NotInstalled({packages!r}))",
+                      "from jagg_lightning.cli import main", f"main({list(map(str, jagg_args))!r})"])
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+
+
+def test_the_documented_tensorboard_line_without_tensorboard_names_the_package_to_install(tmp_path):
+    """docs/callbacks.md's TensorBoard command before `pip install tensorboard`: one line, not jsonargparse's
+    "Does not validate against any of the Union subtypes" with the cause inside."""
+    docs = (ROOT / "docs" / "callbacks.md").read_text()
+    command = next(line for line in docs.splitlines() if line.startswith("jagg fit") and "TensorBoardLogger" in line)
+    (tmp_path / "configs").symlink_to(ROOT / "configs")  # the command's relative --config; its outputs land here
+    proc = without(["tensorboard", "tensorboardX"], *command.split()[1:], "--trainer.max_steps", 1, cwd=tmp_path)
+    line = one_error_line(proc)
+    assert line == ("jagg: error: trainer.logger: lightning.pytorch.loggers.TensorBoardLogger needs the tensorboard "
+                    "module, which is not installed: pip install tensorboard"), line
+
+
+def test_a_reward_by_name_without_its_package_names_the_package_to_install(tmp_path, capfd, monkeypatch):
+    for name in [n for n in sys.modules if n.split(".")[0] == "rapidocr_onnxruntime"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [NotInstalled(["rapidocr_onnxruntime"]), *sys.meta_path])
+    proc = jagg_in_process("fit", "--config", TINY, "--model.reward", "ocr", "--trainer.logger", "false",
+                           cwd=tmp_path, capfd=capfd, monkeypatch=monkeypatch)
+    assert one_error_line(proc) == ("jagg: error: model.reward: reward ocr needs the rapidocr_onnxruntime module, "
+                                    "which is not installed: pip install 'jagg_lightning[ocr]'")

@@ -202,3 +202,17 @@ def test_configuration_page_lists_every_registered_reward_and_callback():
     for cls in [*classes, StepProgressBar]:
         if issubclass(cls, L.Callback):
             assert f"`{cls.__name__}`" in page, cls.__name__
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_running_the_main_job_again_names_the_one_flag_and_no_checkpoint_it_lacks(digits_fit, capfd, monkeypatch):
+    """The main job writes no checkpoint (enable_checkpointing: false): its refusal offers a folder of its own
+    (one flag) or --overwrite, not a --ckpt_path there is nothing for."""
+    cwd, _, _ = digits_fit
+    proc = jagg_in_process(*readme_commands()["fit"], cwd=cwd, capfd=capfd, monkeypatch=monkeypatch)
+    assert proc.returncode == 2
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("jagg")]
+    assert line.startswith("jagg: error: lora_export.dirpath: 'outputs/digits/lora' holds an earlier run's adapter "
+                           "(final)"), line
+    assert "with --trainer.default_root_dir" in line and "--ckpt_path" not in line and "--lora_export" not in line

@@ -90,13 +90,15 @@ def fit_in(root: Path, *args: str, config: str = "run.yaml", umask: int | None =
 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
-    """The earlier run: 2 steps, checkpoints in ckpt/, the adapter in lora/last and lora/final (umask 022)."""
+    """The earlier run: 2 steps, checkpoints in ckpt/, the adapter in lora/final (lora/last, written at each
+    checkpoint, is removed once final supersedes it) (umask 022)."""
     root = tmp_path_factory.mktemp("first")
     seed = fresh_seed(16)
     (root / "run.yaml").write_text(yaml.safe_dump(run_config(seed)))
     cli = fit_in(root, umask=0o022)
     assert cli.trainer.global_step == 2
     assert (root / "lora/final/peft/adapter_model.safetensors").is_file() and (root / "ckpt/last.ckpt").is_file()
+    assert sorted(p.name for p in (root / "lora").iterdir()) == ["final"]  # no stale lora/last, no temporary left
     return root, seed, kept_files(root)
 
 
@@ -121,12 +123,28 @@ def test_a_second_fit_is_refused_at_start_and_the_first_runs_files_stay(first_ru
         fit_in(root, "--trainer.max_steps", "5", config=f"{second}.yaml")  # the new user's command, spelled right
     assert info.value.code == 2
     line = one_error(capsys)
-    assert line.startswith("jagg: error: lora_export.dirpath: 'lora' holds an earlier run's adapter (final, last); a "
+    assert line.startswith("jagg: error: lora_export.dirpath: 'lora' holds an earlier run's adapter (final); a "
                            "new fit does not write over them (nothing was started)"), line
-    assert line.endswith("--overwrite true") and "--lora_export.dirpath" in line, line
+    assert line.endswith("--overwrite true") and "give this run its own folder with --trainer.default_root_dir" in line
     assert f"continue that run with --ckpt_path {root / 'ckpt'}/" in line, line
     assert kept_files(root) == before  # byte for byte
     assert sorted(p.name for p in root.iterdir()) == listing  # and nothing new beside them
+
+
+@pytest.mark.slow
+def test_the_one_flag_the_refusal_names_puts_the_whole_second_run_in_its_own_folder(first_run, tmp_path):
+    """``--trainer.default_root_dir second``: the adapter and the checkpoints the config put inside its root ('.')
+    follow it; the first run's files stay byte for byte."""
+    root, seed, before = first_run
+    run = tmp_path / "run"
+    shutil.copytree(root, run)
+    (run / "second.yaml").write_text(yaml.safe_dump(run_config(seed + 2, steps=1)))
+    cli = fit_in(run, "--trainer.default_root_dir", "second", config="second.yaml")
+    assert cli.trainer.global_step == 1
+    assert kept_files(run) == before
+    assert sorted(kept_files(run / "second")) == sorted(k for k in kept_files(run / "second") if k.startswith(
+        ("lora/final/", "ckpt/"))) and (run / "second/ckpt/last.ckpt").is_file()
+    assert (run / "second/lora/final/peft/adapter_model.safetensors").is_file()
 
 
 @pytest.mark.slow
@@ -156,7 +174,7 @@ def test_resume_writes_on_into_its_own_folder(first_run, tmp_path):
 @pytest.mark.slow
 def test_overwrite_true_lets_a_new_run_replace_the_earlier_one(first_run, tmp_path):
     """The switch the refusal names works -- and shows what it protects: a new run that fails at step 2 has already
-    replaced lora/last (step 1's) when it stops."""
+    written its lora/last (step 1's) beside the earlier run's final when it stops."""
     root, seed, before = first_run
     run = tmp_path / "run"
     shutil.copytree(root, run)
@@ -165,7 +183,7 @@ def test_overwrite_true_lets_a_new_run_replace_the_earlier_one(first_run, tmp_pa
     with pytest.raises(RuntimeError, match="scorer went away"):
         fit_in(run, "--overwrite", "true")
     assert json.loads((run / "lora/last/adapter.json").read_text())["global_step"] == 1
-    assert kept_files(run)["lora/last/peft/adapter_model.safetensors"] != before["lora/last/peft/adapter_model.safetensors"]
+    assert kept_files(run)["lora/last/peft/adapter_model.safetensors"] != before["lora/final/peft/adapter_model.safetensors"]
 
 
 ABBREVIATED = [(["--trainer.max_step", "5"], "trainer.max_step is not a setting; did you mean trainer.max_steps?"),
@@ -240,3 +258,55 @@ def test_every_atomic_writer_gives_the_umasks_permissions(umask, tmp_path, rng_s
                  tmp_path / "export"]:
         expected = (0o777 if path.is_dir() else 0o666) & ~umask
         assert stat.S_IMODE(path.stat().st_mode) == expected, (path.name, oct(path.stat().st_mode))
+
+
+def test_the_main_jobs_whole_run_follows_its_one_flag():
+    """configs/digits.yaml names its logger's save_dir and lora_export.dirpath inside its root: they follow
+    ``--trainer.default_root_dir``; a path the command line sets stays where it says."""
+    digits = str(Path(__file__).resolve().parents[2] / "configs" / "digits.yaml")
+    moved = parse_config(["--config", digits, "--trainer.default_root_dir", "runs/b"])
+    assert moved.trainer.logger.init_args.save_dir == "runs/b" and moved.lora_export.dirpath == "runs/b/lora"
+    kept = parse_config(["--config", digits, "--trainer.default_root_dir=runs/c", "--lora_export.dirpath", "mine"])
+    assert kept.trainer.logger.init_args.save_dir == "runs/c" and kept.lora_export.dirpath == "mine"
+    as_written = parse_config(["--config", digits])
+    assert as_written.trainer.logger.init_args.save_dir == "outputs/digits"
+    assert as_written.lora_export.dirpath == "outputs/digits/lora"
+
+
+@pytest.mark.parametrize("dies_at", [1, 2])
+def test_removing_a_superseded_export_leaves_no_half_folder_and_nothing_to_recover(dies_at, tmp_path, rng_seed,
+                                                                                  monkeypatch):
+    """``remove_directory`` (what drops lora/last once final is written): each folder is renamed aside before it is
+    deleted, so a remover that dies while deleting (the earlier writer's ``.last.old``: ``dies_at`` 1, ``last``
+    itself: 2) leaves ``last`` whole or gone, never half; ``.last.old`` goes first (else a later write would recover
+    it as ``last``)."""
+    import shutil as shutil_lib
+
+    from jagg_lightning.io import readable_path, recover_directory, remove_directory
+
+    rng = np.random.default_rng(rng_seed)
+    target = tmp_path / "lora" / "last"
+    for folder in (target, tmp_path / "lora" / ".last.old"):
+        (folder / "peft").mkdir(parents=True)
+        (folder / "peft" / "adapter_model.safetensors").write_bytes(rng.bytes(256))
+    whole = (target / "peft" / "adapter_model.safetensors").read_bytes()
+    (tmp_path / "lora" / "final").mkdir()
+    calls, rmtree = [], shutil_lib.rmtree
+
+    def dies(path, ignore_errors=False):  # the remover killed half-way through deleting its dies_at-th folder
+        calls.append(path)
+        if len(calls) == dies_at:
+            next(p for p in Path(path).rglob("*") if p.is_file()).unlink()
+            raise KeyboardInterrupt
+        rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(shutil_lib, "rmtree", dies)
+    with pytest.raises(KeyboardInterrupt):
+        remove_directory(target)
+    monkeypatch.undo()
+    recover_directory(target)  # what the next write does first
+    found = readable_path(target)
+    assert (not found.exists()) if dies_at == 2 else (found / "peft/adapter_model.safetensors").read_bytes() == whole
+    remove_directory(target)
+    recover_directory(target)
+    assert not readable_path(target).exists() and (tmp_path / "lora" / "final").is_dir()

@@ -4,6 +4,7 @@ and finishes with the adapter a run never stopped writes, bit for bit."""
 
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,5 +90,10 @@ def test_sigterm_exits_143_and_resumes_to_the_same_adapter(tmp_path):
     resumed = fit(tmp_path / "first.yaml", "--ckpt_path", "last", "--model.reward.init_args.at_call", "7")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [line for line in unexpected_lines(resumed.stderr) if not line.startswith("jagg: ")] == [], resumed.stderr
+    # it says where it took up, and its summary names that checkpoint (no "checkpoints none"); lora/last is gone
+    said = re.search(rf"^jagg fit: resuming from step ([12]) of {re.escape(str(ckpt))}$", resumed.stdout, re.M)
+    assert said, resumed.stdout[-3000:]
+    assert f"checkpoints  resumed from {ckpt} (step {said.group(1)})" in resumed.stdout, resumed.stdout[-3000:]
+    assert sorted(p.name for p in (first / "lora").iterdir()) == ["final"]
     a, b = adapter(first), adapter(full)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

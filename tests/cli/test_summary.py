@@ -5,6 +5,7 @@ the tiny SD3 (configs/tiny.yaml, 3 steps) rewarded by the digit classifier."""
 
 import csv
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -23,12 +24,16 @@ DIGITS = ["a handwritten digit 3", "a handwritten digit 7"]
 
 
 def common(root: Path) -> list[str]:
+    """tiny.yaml moved whole into ``root`` by its one flag (the logger's save_dir and the adapter follow it)."""
     return ["--config", str(ROOT / "configs/tiny.yaml"), "--trainer.default_root_dir", str(root),
-            "--trainer.logger.init_args.save_dir", str(root), "--lora_export.dirpath", str(root / "lora"),
             "--model.reward", "digits", "--data.prompts_file", "null", "--data.prompts", str(DIGITS),
             "--data.val_prompts", str(DIGITS), "--model.evaluation.num_steps", "4",
             "--model.evaluation.samples_per_prompt", "2", "--model.sampling.group_size", "4",
             "--model.sampling.rollout_batch_size", "8", "--model.grpo.train_batch_size", "8"]
+
+
+CALLBACKS = ("[{class_path: jagg_lightning.callbacks.SampleImages, init_args: {prompts: "
+             f"{DIGITS}, every_n_steps: 2, samples_per_prompt: 2, num_steps: 4}}}}]")
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +50,7 @@ def fitted(tmp_path_factory):
     try:
         with contextlib.redirect_stdout(buffer):
             cli = cli_main(["fit", *common(root), "--trainer.max_steps", "3", "--trainer.val_check_interval", "1",
-                            "--trainer.enable_checkpointing", "true", "--trainer.callbacks",
-                            "[{class_path: jagg_lightning.callbacks.SampleImages, init_args: {prompts: "
-                            f"{DIGITS}, every_n_steps: 2, samples_per_prompt: 2, num_steps: 4}}}}]"])
+                            "--trainer.enable_checkpointing", "true", "--trainer.callbacks", CALLBACKS])
     finally:
         capture.undo()
     out.write_text(buffer.getvalue())
@@ -74,6 +77,9 @@ def test_fit_ends_with_the_metrics_first_to_last_and_where_everything_is(fitted)
     [export] = [c for c in cli.trainer.callbacks if isinstance(c, LoRAExport)]
     assert adapter.split()[1] == f"{export.exported['final']}/" == f"{root / 'lora' / 'final'}/"
     assert "(diffusers/, peft/)" in adapter
+    # the final adapter supersedes the last checkpoint's: lora/last is gone (nothing of it left beside final)
+    assert sorted(p.name for p in (root / "lora").iterdir()) == ["final"] and "last" not in export.exported
+    assert Path(cli.trainer.log_dir).is_relative_to(root)  # the logs went where the one flag said
     checkpoints = next(x for x in summary.lines if x.lstrip().startswith("checkpoints"))
     folder, names = checkpoints.split()[1].rstrip(":").rstrip("/"), re.findall(r"[\w=.-]+\.ckpt", checkpoints)
     assert names and all((Path(folder) / n).is_file() for n in names)
@@ -116,12 +122,28 @@ def test_sample_grid_frames_say_what_the_classifier_reads(fitted):
             assert tuple(picture[y0 - 2, (x0 + x1) // 2]) == (RIGHT if read[r][c] else WRONG)
 
 
+def test_a_resumed_fit_says_where_it_resumed_from_and_its_summary_names_that_checkpoint(fitted, tmp_path, capsys):
+    root, cli, _ = fitted
+    run = tmp_path / "run"
+    shutil.copytree(root, run)
+    checkpoint = run / Path(cli.trainer.checkpoint_callback.last_model_path or
+                            cli.trainer.checkpoint_callback.best_model_path).relative_to(root)
+    resumed = cli_main(["fit", *common(run), "--trainer.max_steps", "4", "--trainer.enable_checkpointing", "false",
+                        "--trainer.enable_progress_bar", "false", "--trainer.callbacks", CALLBACKS,
+                        "--ckpt_path", str(checkpoint)])
+    stdout = capsys.readouterr().out
+    assert f"jagg fit: resuming from step 3 of {checkpoint}\n" in stdout
+    [summary] = [c for c in resumed.trainer.callbacks if isinstance(c, RunSummary)]
+    at = next(i for i, x in enumerate(summary.lines) if x.lstrip().startswith("checkpoints"))
+    assert summary.lines[at].split(None, 1)[1] == f"resumed from {checkpoint} (step 3)", summary.lines
+    assert summary.lines[at + 1].strip() == "none written (trainer.enable_checkpointing: false)"
+    assert summary.lines[0].startswith("jagg fit: 1 steps in ")
+
+
 def test_validate_an_adapter_names_it_on_the_grid_file_and_in_the_summary(fitted, tmp_path, capsys):
     root, _, _ = fitted
     adapter = root / "lora" / "final"
-    args = common(tmp_path)
-    args[args.index("--lora_export.dirpath"):args.index("--lora_export.dirpath") + 2] = []
-    cli = cli_main(["validate", *args, "--model.policy.adapter", str(adapter), "--trainer.enable_progress_bar",
+    cli = cli_main(["validate", *common(tmp_path), "--model.policy.adapter", str(adapter), "--trainer.enable_progress_bar",
                     "false"])
     stdout = capsys.readouterr().out
     grid = Path(cli.trainer.log_dir) / "samples" / "val_final_step_000003.png"  # the adapter's step, not 0
