@@ -119,7 +119,7 @@ class RemoteReward(Reward):
             opened.append(connection.sock)
             if expired.is_set():  # the deadline passed while connecting
                 cut()
-            target = parts.path + (f"?{parts.query}" if parts.query else "")
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             connection.request("GET" if body is None else "POST", target, body=body, headers=self._headers(content_type))
             answer = connection.getresponse()
             data = answer.read()
@@ -224,7 +224,10 @@ def _error_text(raw: bytes) -> str:
     try:
         return str(json.loads(raw)["error"])
     except (ValueError, KeyError, TypeError):
-        return raw[:200].decode("utf-8", "replace")
+        text = raw.decode("utf-8", "replace")
+        if text.startswith("Traceback"):  # a Python server's traceback (Flow-GRPO's): its last line says what failed
+            return text.strip().splitlines()[-1][:200]
+        return text[:200]
 
 
 def _retry_after(headers: dict) -> float:
