@@ -20,6 +20,7 @@ _PUBLIC = {
     "MonitoredReward": "monitor", "OcrReward": "ocr", "PickScoreReward": "pickscore",
     "REWARD_CLASSES": "registry", "build_reward": "registry", "describe_reward": "registry",
     "reward_class": "registry", "RemoteReward": "remote", "FrameReward": "video", "TemporalConsistency": "video",
+    "VLMJudgeReward": "vlm_judge",
     "WeightedReward": "weighted", "component_weights": "weighted",
 }
 

@@ -214,7 +214,7 @@ class RemoteReward(Reward):
     def score_with_components(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
         """The served total and the served reward's own components (one request); a single served reward
         is reported under this reward's ``name``."""
-        check_images(images, prompts, self.name)
+        check_images(images, prompts, self.name, self.accepts_video)
         total, components = self._request(images, prompts)
         return total, (components if len(components) > 1 else {self.name: total})
 
