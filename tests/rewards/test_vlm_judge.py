@@ -27,7 +27,7 @@ from jagg_lightning.rewards.judge_templates import TEMPLATES, VIDEO_NOTE, score_
 from in_process import jagg_in_process
 from tiny_vlm import greedy_answer, save_tiny_vlm
 
-SERVE_START_S = 180
+SERVE_START_S = 600  # importing transformers + fastapi and loading: ~20 s on idle cores, minutes on a loaded machine
 
 
 def free_port() -> int:
