@@ -61,6 +61,10 @@ def reward_marks(reward, images: torch.Tensor, prompts: list[str], columns: int)
     """The marks of ``images`` (row-major, ``columns`` per row, one prompt each): every cell's reward score as its
     caption and, when the reward says right / wrong per sample (a ``correct(images, prompts)`` method: the digit
     reward), its frame. Plain scoring without grad; nothing else is touched."""
+    if getattr(reward, "scores_latents", False):  # a latent reward cannot score the pictures
+        rows = range(0, len(prompts), columns)
+        return GridMarks(None, [[""] * len(prompts[i:i + columns]) for i in rows],
+                         f"reward {reward.name} scores latents: no score under the images")
     parameter = next(iter(reward.parameters()), None) if isinstance(reward, torch.nn.Module) else None
     images = images if parameter is None else images.to(parameter.device)
     with torch.no_grad():

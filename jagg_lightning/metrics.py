@@ -15,9 +15,10 @@ from jagg_lightning.update import StepReport
 
 
 def train_metrics(report: StepReport, windows: list[Window], ratio: FirstUpdateRatioCheck, exact_backwards: int,
-                  gradient_all_reduces: int, skipped_nonfinite: int = 0) -> dict[str, Tensor]:
+                  gradient_all_reduces: int, skipped_nonfinite: int = 0, decodes: int = 0) -> dict[str, Tensor]:
     """The ``train/*`` values of one training step (without the prefix); ``skipped_nonfinite``: the updates
-    skipped for a non-finite value so far in the run (a running count)."""
+    skipped for a non-finite value so far in the run (a running count); ``decodes``: the samples the step's
+    rollout decoded to images (0 when the reward scores latents alone)."""
     stats, records, rewards = report.stats + report.first_update_stats, report.records, report.rewards
 
     def mean_of(attr):
@@ -39,6 +40,7 @@ def train_metrics(report: StepReport, windows: list[Window], ratio: FirstUpdateR
         "ratio_first_update_off": torch.tensor(float(ratio.off)),
         "skipped_samples": torch.tensor(float(report.skipped_samples)),
         "skipped_nonfinite": torch.tensor(float(skipped_nonfinite)),
+        "decodes": torch.tensor(float(decodes)),
         "passes/backward": torch.tensor(float(sum(r.backwards for r in records))),
         "passes/grad_forward": torch.tensor(float(sum(r.grad_forwards for r in records))),
         "passes/nograd_forward": torch.tensor(float(sum(r.nograd_forwards for r in records))),

@@ -253,8 +253,9 @@ class JAGGModule(L.LightningModule):
         hooks = UpdateHooks(self.manual_backward, functools.partial(self.step_optimizer, collectives), collectives,
                             functools.partial(preemption.check, collectives.max_over_world, step))
         # rollout -> rewards -> advantages -> routed update -> optimizer step(s), fused or not (update.py)
+        decoded = self.sampler.decoded_samples  # train/decodes: the samples this step decodes (0: latent rewards alone)
         report = self.updater.step(prompts, indices, step, plan, self.reward_fn, hooks)
-        self._record_step(report, collectives)
+        self._record_step(report, collectives, self.sampler.decoded_samples - decoded)
         self.rollouts_done += 1
         self._step_rng = None
         return report.rewards.mean()
@@ -280,7 +281,7 @@ class JAGGModule(L.LightningModule):
         if scheduler is not None:
             scheduler.step()
 
-    def _record_step(self, report: StepReport, collectives: Collectives) -> None:
+    def _record_step(self, report: StepReport, collectives: Collectives, decodes: int = 0) -> None:
         """Keep what callbacks read, check the first update's ratio and log ``train/*``."""
         self.window_records, self.skipped_samples = report.records, report.skipped_samples
         self.last_rollout = RolloutBatch(report.trajectory, report.cond, report.advantages)
@@ -292,7 +293,7 @@ class JAGGModule(L.LightningModule):
         # from the parts a memory budget or fused_samples splits them into)
         self.exact_backwards = len(self.plan.trained_steps) * report.micro_batches
         values = train_metrics(report, self.windows, self.ratio_check, self.exact_backwards,
-                               collectives.gradient_all_reduces, self.updater.guard.skipped)
+                               collectives.gradient_all_reduces, self.updater.guard.skipped, decodes)
         rewards = report.rewards
         self.log_dict({f"train/{k}": v.float() for k, v in values.items()}, batch_size=rewards.shape[0])
         self.log("reward", rewards.mean().float(), prog_bar=True, batch_size=rewards.shape[0], logger=False)
@@ -302,13 +303,13 @@ class JAGGModule(L.LightningModule):
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def generate(self, prompts: list[str], prompt_indices: list[int]) -> Tensor:
-        """``evaluation.samples_per_prompt`` images per prompt (prompt-major) [N, 3, H, W] in [0, 1]: ODE
-        sampling with ``evaluation.num_steps`` steps and guidance, with the inference (EMA) weights."""
+    def generate(self, prompts: list[str], prompt_indices: list[int], with_latents: bool = False):
+        """``evaluation.samples_per_prompt`` images per prompt (prompt-major) [N, 3, H, W] in [0, 1] (and latents:
+        ``Sampler.ode_images``): ODE sampling, ``evaluation.num_steps`` steps and guidance, inference (EMA) weights."""
         ev = self.evaluation
         with self.inference_weights():
             return self.sampler.ode_images(prompts, prompt_indices, ev.samples_per_prompt, ev.seed, EVAL_STEP,
-                                           ev.num_steps, self.policy.guidance(ev.guidance_scale))
+                                           ev.num_steps, self.policy.guidance(ev.guidance_scale), with_latents)
 
     def on_validation_epoch_start(self) -> None:
         self._eval = EvalSums(self.device, self.evaluation.grid_prompts * self.evaluation.samples_per_prompt)
@@ -318,9 +319,9 @@ class JAGGModule(L.LightningModule):
     @_full_precision_defaults
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         prompts, indices = unpack_prompt_batch(batch)
-        images = self.generate(prompts, indices)
+        images, latents = self.generate(prompts, indices, with_latents=True)  # latents reach latent rewards alone
         sample_prompts = [p for p in prompts for _ in range(self.evaluation.samples_per_prompt)]
-        self._eval.add(images, *self.sampler.score(self.reward_fn, images, sample_prompts), sample_prompts)
+        self._eval.add(images, *self.sampler.score(self.reward_fn, images, sample_prompts, latents), sample_prompts)
 
     test_step = validation_step
 

@@ -10,6 +10,7 @@ may replace at any time). It never calls back into the module. Plain torch, no L
 from __future__ import annotations
 
 import functools
+import threading
 from collections import deque
 from collections.abc import Collection, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -24,7 +25,7 @@ from jagg_lightning.conditions import ConditionedPrompt, check_condition_counts
 from jagg_lightning.dtypes import compute_dtype
 from jagg_lightning.ode_solvers import ode_tail
 from jagg_lightning.rewards import Reward
-from jagg_lightning.rewards.base import RewardError
+from jagg_lightning.rewards.base import RewardError, scored_components
 from jagg_lightning.rollout import (
     SampledMicroBatch, Trajectory, rollout_micro_batches, sample_generators, sample_trajectories, step_kinds_at,
 )
@@ -187,20 +188,33 @@ class Sampler:
         self._in_flight.append(job)
         return job
 
+    decoded_samples: int = 0  # samples the rollouts decoded to images, a running count (``train/decodes``)
+    _decode_count_lock = threading.Lock()  # reward-pool threads decode concurrently
+
     def decode_and_score(self, reward: Reward, final: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
         """Images from the final latents, then :meth:`score`; no grad (grad mode is per thread). Samples whose latents
-        are not finite are scored on finite stand-ins (NaN: 0.5 grey): the update checks the latents themselves and
-        skips the update they would enter (:mod:`jagg_lightning.nonfinite`)."""
+        are not finite are scored on finite stand-ins (NaN: 0.5 grey; latents: 0): the update checks the latents
+        themselves and skips the update they would enter (:mod:`jagg_lightning.nonfinite`). A reward that scores
+        latents alone (``scores_latents``, every component of it) is handed the final latents and nothing is
+        decoded; with another reward needing images, both are handed in."""
         with torch.no_grad():
-            images = self.policy.decode_samples(final, prompts)
-            if not bool(torch.isfinite(images).all()):
-                images = torch.nan_to_num(images, nan=0.5, posinf=1.0, neginf=0.0).clamp(0, 1)
-            return self.score(reward, images, prompts)
+            images = latents = None
+            if reward.needs_images():
+                images = self.policy.decode_samples(final, prompts)
+                with self._decode_count_lock:
+                    self.decoded_samples += len(prompts)
+                if not bool(torch.isfinite(images).all()):
+                    images = torch.nan_to_num(images, nan=0.5, posinf=1.0, neginf=0.0).clamp(0, 1)
+            if reward.needs_latents():
+                latents = final if bool(torch.isfinite(final).all()) else torch.nan_to_num(final, 0.0, 0.0, 0.0)
+            return self.score(reward, images, prompts, latents)
 
-    def score(self, reward: Reward, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
-        """The reward's total and components; a failure is re-raised naming the reward."""
+    def score(self, reward: Reward, images: Tensor | None, prompts: list[str],
+              latents: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """The reward's total and components; a failure is re-raised naming the reward. ``latents`` reach the
+        reward only when it scores latents (:func:`~jagg_lightning.rewards.base.scored_components`)."""
         try:
-            return reward.score_with_components(images, prompts)
+            return scored_components(reward, images, prompts, latents)
         except Exception as err:
             if isinstance(err, RewardError) or str(err).startswith("reward "):  # already names the reward
                 raise
@@ -251,10 +265,11 @@ class Sampler:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def ode_images(self, prompts: list[str], prompt_indices, samples_per_prompt: int, seed: int, step: int,
-                   num_steps: int, guidance: Guidance | None = None) -> Tensor:
+                   num_steps: int, guidance: Guidance | None = None, with_latents: bool = False):
         """``samples_per_prompt`` images per prompt (prompt-major) [N, 3, H, W] in [0, 1] by ODE (Euler)
         sampling with ``num_steps`` steps, ``guidance`` (None: ``policy.guidance_scale``) and the policy's current
-        weights; the noise of sample i of prompt index j depends on (seed, step, j, i) only."""
+        weights; the noise of sample i of prompt index j depends on (seed, step, j, i) only. ``with_latents``:
+        (images, the final latents they were decoded from), for a reward that scores latents."""
         guidance = guidance or self.policy.guidance()
         encoded = self.encode_prompts(prompts, guidance)
         cond = tuple(c.repeat_interleave(samples_per_prompt, dim=0) for c in encoded)
@@ -264,7 +279,8 @@ class Sampler:
             self.policy.latent_shape, self.schedule(num_steps), ["ode"] * num_steps, 0.0,
             self.sampling.rollout_batch_size, self.device, self.sde_dtype,
         )
-        return self.policy.decode_samples(traj.latents[-1], [p for p in prompts for _ in range(samples_per_prompt)])
+        images = self.policy.decode_samples(traj.latents[-1], [p for p in prompts for _ in range(samples_per_prompt)])
+        return (images, traj.latents[-1]) if with_latents else images
 
     # ------------------------------------------------------------------ memory budget
     def activation_bytes(self, samples: int = 1) -> int:

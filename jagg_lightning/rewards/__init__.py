@@ -15,11 +15,13 @@ import importlib
 _PUBLIC = {
     "AestheticReward": "aesthetic", "CallableReward": "base", "Reward": "base", "check_images": "base", "to_pil": "base",
     "CLIPScoreReward": "clipscore", "EditFidelity": "conditioned", "FirstFrameConsistency": "conditioned",
-    "DigitReward": "digits", "HPSv2Reward": "hpsv2",
+    "DigitReward": "digits", "FlowGRPOServerReward": "flow_grpo_server", "HPSv2Reward": "hpsv2",
+    "HPSv3Reward": "hpsv3",
     "JpegCompressibility": "jpeg", "JpegIncompressibility": "jpeg", "MONITOR_PREFIX": "monitor",
     "MonitoredReward": "monitor", "OcrReward": "ocr", "PickScoreReward": "pickscore",
     "REWARD_CLASSES": "registry", "build_reward": "registry", "describe_reward": "registry",
     "reward_class": "registry", "RemoteReward": "remote", "FrameReward": "video", "TemporalConsistency": "video",
+    "VLMJudgeReward": "vlm_judge",
     "WeightedReward": "weighted", "component_weights": "weighted",
 }
 

@@ -13,6 +13,9 @@ from torch import Tensor, nn
 def check_images(images: Tensor, prompts: list[str], name: str, video: bool = False) -> None:
     """Refuse what no reward should score: wrong shape, wrong count, values outside [0, 1]. ``video``: the
     reward also takes videos [B, F, 3, H, W]; an image reward given videos says how to score them."""
+    if not isinstance(images, Tensor):
+        raise ValueError(f"reward {name}: scores images, got {type(images).__name__} (a latent reward beside it does "
+                         f"not make the sampler decode; declare needs_images)")
     if images.ndim == 5 and images.shape[2] == 3 and not video:
         raise ValueError(f"reward {name}: got videos {tuple(images.shape)}; score their frames with "
                          "jagg_lightning.rewards.FrameReward(reward, frames, aggregate)")
@@ -23,6 +26,16 @@ def check_images(images: Tensor, prompts: list[str], name: str, video: bool = Fa
         raise ValueError(f"reward {name}: got {images.shape[0]} images but {len(prompts)} prompts")
     if not torch.isfinite(images).all() or images.min() < 0 or images.max() > 1:
         raise ValueError(f"reward {name}: image values must lie in [0, 1]")
+
+
+def check_latents(latents: Tensor, prompts: list[str], name: str) -> None:
+    """Refuse latents a latent reward cannot score: not a floating tensor [B, ...], or B != the prompts."""
+    if not isinstance(latents, Tensor) or not latents.is_floating_point() or latents.ndim < 2:
+        shown = tuple(latents.shape) if isinstance(latents, Tensor) else type(latents).__name__
+        raise ValueError(f"reward {name}: scores latents, so it must be called with latents=[B, ...] (a floating "
+                         f"tensor: the sampler's final latents), got {shown}")
+    if len(prompts) != latents.shape[0]:
+        raise ValueError(f"reward {name}: got {latents.shape[0]} latents but {len(prompts)} prompts")
 
 
 def to_pil(images: Tensor) -> list[Image.Image]:
@@ -74,6 +87,9 @@ class Reward(nn.Module):
 
     name: str = "reward"
     accepts_video: bool = False  # True: scores videos [B, F, 3, H, W] too (rewards/video.py)
+    # True: ``score(latents, prompts)`` scores the sampler's final latents [B, *latent_shape] (passed as
+    # ``latents=``), so the rollout skips the VAE decode for it (it decodes only when another reward needs images)
+    scores_latents: bool = False
 
     def __new__(cls, *args, **kwargs):
         # remember the constructor arguments, so the hyper-parameters can describe (and rebuild) the reward
@@ -113,26 +129,61 @@ class Reward(nn.Module):
     def score(self, images: Tensor, prompts: list[str]) -> Tensor:
         raise NotImplementedError
 
+    def needs_images(self) -> bool:
+        """Whether scoring needs the decoded images (a reward holding others: whether any of them does)."""
+        return not self.scores_latents
+
+    def needs_latents(self) -> bool:
+        """Whether scoring needs the final latents (``latents=``; a reward holding others: any of them)."""
+        return self.scores_latents
+
     @torch.no_grad()
-    def forward(self, images: Tensor, prompts: list[str]) -> Tensor:
-        check_images(images, prompts, self.name, self.accepts_video)
+    def forward(self, images: Tensor | None, prompts: list[str], latents: Tensor | None = None) -> Tensor:
+        """Scores [B]; ``images`` [B, 3, H, W] in [0, 1], or for a latent reward (``scores_latents``) ``latents``
+        (images may then be None)."""
+        if self.scores_latents:
+            if latents is None:
+                raise ValueError(f"reward {self.name}: scores latents, so it must be called with latents=[B, ...] "
+                                 f"(the sampler's final latents), not images")
+            check_latents(latents, prompts, self.name)
+            inputs, what = latents, "latents"
+        else:
+            check_images(images, prompts, self.name, self.accepts_video)
+            inputs, what = images, "images"
         try:
-            scores = self.score(images, prompts)
+            scores = self.score(inputs, prompts)
         except RewardError:
             raise
         except Exception as err:  # name the scorer that failed (inside a WeightedReward too)
             raise RewardError(f"reward {self.name} ({type(self).__name__}) failed: {type(err).__name__}: {err}") from err
-        scores = scores.to(device=images.device, dtype=torch.float32).reshape(-1)
-        if scores.shape[0] != images.shape[0]:
-            raise RuntimeError(f"reward {self.name}: returned {scores.shape[0]} scores for {images.shape[0]} images")
+        scores = scores.to(device=inputs.device, dtype=torch.float32).reshape(-1)
+        if scores.shape[0] != inputs.shape[0]:
+            raise RuntimeError(f"reward {self.name}: returned {scores.shape[0]} scores for {inputs.shape[0]} {what}")
         # a NaN or Inf score is returned as it is: training skips the update it would enter and names the reward
         # (jagg_lightning/nonfinite.py); an evaluation mean shows it
         return scores
 
-    def score_with_components(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
+    def score_with_components(self, images: Tensor | None, prompts: list[str],
+                              latents: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """The total and every component by name (a single reward is its own component)."""
-        total = self(images, prompts)
+        total = self(images, prompts, latents=latents)
         return total, {self.name: total}
+
+
+def scored_components(reward: Reward, images: Tensor | None, prompts: list[str],
+                      latents: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """``reward.score_with_components``, handed ``latents=`` only when the reward needs them (a reward whose own
+    ``score_with_components`` predates latent rewards takes none)."""
+    if latents is not None and reward.needs_latents():
+        return reward.score_with_components(images, prompts, latents=latents)
+    return reward.score_with_components(images, prompts)
+
+
+def scored(reward: Reward, images: Tensor | None, prompts: list[str], latents: Tensor | None = None) -> Tensor:
+    """``reward(images, prompts)``, handed ``latents=`` only when the reward needs them (as :func:`scored_components`)."""
+    if latents is not None and reward.needs_latents():
+        return reward(images, prompts, latents=latents)
+    return reward(images, prompts)
 
 
 def callable_name(fn) -> str:

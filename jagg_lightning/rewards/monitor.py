@@ -11,9 +11,10 @@ the only thing the advantages see, is the trained reward's. The
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
-from jagg_lightning.rewards.base import Reward
+from jagg_lightning.rewards.base import Reward, scored, scored_components
 
 MONITOR_PREFIX = "monitor/"
 
@@ -38,10 +39,21 @@ class MonitoredReward(Reward):
         self.name = self.trained_reward.name
         self.freeze()
 
+    def needs_images(self) -> bool:
+        return self.trained_reward.needs_images() or any(m.needs_images() for m in self.monitors)
+
+    def needs_latents(self) -> bool:
+        return self.trained_reward.needs_latents() or any(m.needs_latents() for m in self.monitors)
+
     def score(self, images: Tensor, prompts: list[str]) -> Tensor:
         return self.trained_reward(images, prompts)
 
-    def score_with_components(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
-        total, components = self.trained_reward.score_with_components(images, prompts)
-        watched = {f"{MONITOR_PREFIX}{m.name}": m(images, prompts) for m in self.monitors}
+    @torch.no_grad()
+    def forward(self, images: Tensor | None, prompts: list[str], latents: Tensor | None = None) -> Tensor:
+        return scored(self.trained_reward, images, prompts, latents)
+
+    def score_with_components(self, images: Tensor | None, prompts: list[str],
+                              latents: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        total, components = scored_components(self.trained_reward, images, prompts, latents)
+        watched = {f"{MONITOR_PREFIX}{m.name}": scored(m, images, prompts, latents) for m in self.monitors}
         return total, {**components, **watched}

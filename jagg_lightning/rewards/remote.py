@@ -119,7 +119,7 @@ class RemoteReward(Reward):
             opened.append(connection.sock)
             if expired.is_set():  # the deadline passed while connecting
                 cut()
-            target = parts.path + (f"?{parts.query}" if parts.query else "")
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             connection.request("GET" if body is None else "POST", target, body=body, headers=self._headers(content_type))
             answer = connection.getresponse()
             data = answer.read()
@@ -214,7 +214,7 @@ class RemoteReward(Reward):
     def score_with_components(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
         """The served total and the served reward's own components (one request); a single served reward
         is reported under this reward's ``name``."""
-        check_images(images, prompts, self.name)
+        check_images(images, prompts, self.name, self.accepts_video)
         total, components = self._request(images, prompts)
         return total, (components if len(components) > 1 else {self.name: total})
 
@@ -224,7 +224,10 @@ def _error_text(raw: bytes) -> str:
     try:
         return str(json.loads(raw)["error"])
     except (ValueError, KeyError, TypeError):
-        return raw[:200].decode("utf-8", "replace")
+        text = raw.decode("utf-8", "replace")
+        if text.startswith("Traceback"):  # a Python server's traceback (Flow-GRPO's): its last line says what failed
+            return text.strip().splitlines()[-1][:200]
+        return text[:200]
 
 
 def _retry_after(headers: dict) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from jagg_lightning.rewards.base import Reward
+from jagg_lightning.rewards.base import Reward, scored
 
 
 class WeightedReward(Reward):
@@ -28,10 +28,22 @@ class WeightedReward(Reward):
         self.weights = dict(zip(names, (float(w) for w in weights)))
         self.freeze()
 
-    def score_with_components(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
-        components = {r.name: r(images, prompts) for r in self.rewards}
+    def needs_images(self) -> bool:
+        return any(r.needs_images() for r in self.rewards)
+
+    def needs_latents(self) -> bool:
+        return any(r.needs_latents() for r in self.rewards)
+
+    def score_with_components(self, images: Tensor | None, prompts: list[str],
+                              latents: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        # each component checks what it is given and names itself when it fails
+        components = {r.name: scored(r, images, prompts, latents) for r in self.rewards}
         total = torch.stack([self.weights[n] * c for n, c in components.items()]).sum(0)
         return total, components
+
+    @torch.no_grad()
+    def forward(self, images: Tensor | None, prompts: list[str], latents: Tensor | None = None) -> Tensor:
+        return self.score_with_components(images, prompts, latents)[0]
 
     def score(self, images: Tensor, prompts: list[str]) -> Tensor:
         return self.score_with_components(images, prompts)[0]
