@@ -10,17 +10,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-
 from jagg_lightning.checks import check, check_ints, one_of
 from jagg_lightning.compiling import COMPILE_MODES
 from jagg_lightning.dtypes import DTYPES
 from jagg_lightning.estimators import ESTIMATORS
 from jagg_lightning.full_finetune import check_trainable
-from jagg_lightning.grpo import KL_CONVENTIONS, MULTI_REWARD
+from jagg_lightning.grpo import KL_CONVENTIONS, MULTI_REWARD, check_variant_fields, check_variants
 from jagg_lightning.ode_solvers import check_ode_tail
 from jagg_lightning.routing import ROUTING_SCORES
 from jagg_lightning.sde import CPS_LOG_PROBS, STEP_KINDS, TRAINABLE_STEP_KINDS
-
 
 
 @dataclass
@@ -216,8 +214,8 @@ class SamplingConfig:
               f"hi - lo >= sde_window_size={self.sde_window_size}", self.sde_window_range)
         check(self.sde_window_schedule in ("random", "progressive"), "sampling.sde_window_schedule",
               "'random' or 'progressive'", self.sde_window_schedule)
-        check(self.sde_window_shift_every >= 1, "sampling.sde_window_shift_every", ">= 1", self.sde_window_shift_every)
-        check(self.sde_window_stride >= 1, "sampling.sde_window_stride", ">= 1", self.sde_window_stride)
+        for name in ("sde_window_shift_every", "sde_window_stride"):
+            check(getattr(self, name) >= 1, f"sampling.{name}", ">= 1", getattr(self, name))
 
     @property
     def num_trained(self) -> int:
@@ -236,9 +234,10 @@ class SamplingConfig:
 
 @dataclass
 class GRPOConfig:
-    """The GRPO update: PPO clip range, KL weight beta (0 = no reference pass), advantage clip and
-    normalisation, inner epochs over each rollout, samples per micro-batch, micro-batches per optimizer
-    step (None = one step per inner epoch) and the gradient-norm clip (None = off).
+    """The GRPO update: PPO clip range, KL weight beta (0 = no reference pass), advantage clip and normalisation, inner
+    epochs over each rollout, samples per micro-batch, micro-batches per optimizer step (None = one step per inner
+    epoch), the gradient-norm clip (None = off). Off by default: GRPO-Guard's ``ratio_norm`` / ``ratio_reweight``,
+    Flash-GRPO's ``temporal_rectification`` (grpo.py).
 
     ``adv_std``: "global" (Flow-GRPO's default ``sample.global_std``: each group's mean, the std of every
     reward of the step over all processes) or "group" (the group's own std, DanceGRPO).
@@ -266,13 +265,16 @@ class GRPOConfig:
     skip_zero_advantage: bool = True
     multi_reward: Literal["weighted_sum", "per_reward"] = "weighted_sum"
     max_nonfinite_in_a_row: int = 10
+    ratio_norm: bool = False
+    ratio_reweight: bool = False
+    temporal_rectification: bool = False
 
     def __post_init__(self):
         check_ints(self, "grpo", "inner_epochs", "train_batch_size", "micro_batches_per_update", "std_ddof",
                    "max_nonfinite_in_a_row")
-        check(self.clip_range > 0, "grpo.clip_range", "> 0", self.clip_range)
+        for name in ("clip_range", "adv_clip", "adv_eps"):
+            check(getattr(self, name) > 0, f"grpo.{name}", "> 0", getattr(self, name))
         check(self.kl_beta >= 0, "grpo.kl_beta", ">= 0", self.kl_beta)
-        check(self.adv_clip > 0, "grpo.adv_clip", "> 0", self.adv_clip)
         check(self.adv_std in ("group", "global"), "grpo.adv_std", "'group' or 'global'", self.adv_std)
         check(self.inner_epochs >= 1, "grpo.inner_epochs", ">= 1", self.inner_epochs)
         check(self.train_batch_size >= 1, "grpo.train_batch_size", ">= 1", self.train_batch_size)
@@ -282,11 +284,11 @@ class GRPOConfig:
               self.max_grad_norm)
         check(self.kl_convention in KL_CONVENTIONS, "grpo.kl_convention", "'flow_grpo' or 'exact'", self.kl_convention)
         check(self.std_ddof in (0, 1), "grpo.std_ddof", "0 (np.std) or 1 (unbiased)", self.std_ddof)
-        check(self.adv_eps > 0, "grpo.adv_eps", "> 0", self.adv_eps)
         check(self.max_nonfinite_in_a_row is not None and self.max_nonfinite_in_a_row >= 1, "grpo.max_nonfinite_in_a_row",
               ">= 1 (skipped non-finite updates in a row that stop the run; 1: the first)", self.max_nonfinite_in_a_row)
         check(self.multi_reward in MULTI_REWARD, "grpo.multi_reward", "'weighted_sum' (normalise the weighted sum of "
               "the rewards) or 'per_reward' (normalise each reward, then sum the weighted advantages)", self.multi_reward)
+        check_variant_fields(self)
 
 
 @dataclass
@@ -332,7 +334,7 @@ class JAGGConfig:
     fused_exact_interior: bool | None = None  # deprecated: memory.fused_interior_graphs
 
     def __post_init__(self):
-        check_ints(self, "jagg", "window_size")
+        check_ints(self, "jagg", "window_size", "fused_samples")
         check(self.window_size >= 2, "jagg.window_size", ">= 2", self.window_size)
         check(0.0 <= self.jagg_frac <= 1.0, "jagg.jagg_frac", "in [0, 1]", self.jagg_frac)
         check(self.score_limit is None or self.score_limit >= 0, "jagg.score_limit", ">= 0 or null", self.score_limit)
@@ -345,7 +347,6 @@ class JAGGConfig:
               and 0.0 < self.control_p <= 1.0, "jagg.control_p", "in (0, 1] (the probability that a routed window "
               "also gets its exact gradient)", self.control_p)
         check(0.0 < self.window_fraction <= 1.0, "jagg.window_fraction", "in (0, 1]", self.window_fraction)
-        check_ints(self, "jagg", "fused_samples")
         check(self.fused_samples is None or self.fused_samples >= 1, "jagg.fused_samples", ">= 1 or null "
               "(deprecated: memory.fused_samples)", self.fused_samples)
         check(self.memory_budget_mb is None or self.memory_budget_mb > 0, "jagg.memory_budget_mb", "> 0 or null "
@@ -418,10 +419,11 @@ class EvalConfig:
 def check_sections(sampling: SamplingConfig, grpo: GRPOConfig, jagg: JAGGConfig) -> None:
     """The checks that span sections (each section checks its own fields when built)."""
     trained_name = "sampling.sde_window_size" if sampling.sde_window_size is not None else "sampling.trained_steps"
-    check(jagg.window_size <= sampling.num_trained, "jagg.window_size",
-          f"<= {trained_name} ({sampling.num_trained})", jagg.window_size)
+    check(jagg.window_size <= sampling.num_trained or sampling.num_trained == 1, "jagg.window_size",
+          f"<= {trained_name} ({sampling.num_trained})", jagg.window_size)  # 1 step: its own exact window
     if jagg.fused_rollout:
         check_fused(sampling, grpo)
+    check_variants(grpo, sampling.step_kind, sampling.cps_log_prob)
 
 
 def check_fused(s: SamplingConfig, g: GRPOConfig) -> None:
@@ -439,12 +441,10 @@ def check_fused(s: SamplingConfig, g: GRPOConfig) -> None:
 
 
 def as_config(cls, value):
-    """A private copy of a config dataclass from None (defaults), a dict (e.g. hyper-parameters of a
-    checkpoint) or an instance (the signature's default instances are shared)."""
-    if value is None:
-        return cls()
-    if isinstance(value, dict):
-        return cls(**value)
+    """A private copy of a config dataclass from None (defaults), a dict (e.g. a checkpoint's hyper-parameters) or an
+    instance (the signature's default instances are shared)."""
+    if value is None or isinstance(value, dict):
+        return cls(**(value or {}))
     if not isinstance(value, cls):
         raise TypeError(f"expected a {cls.__name__} or a dict of its fields, got {type(value).__name__}")
     return dataclasses.replace(value)

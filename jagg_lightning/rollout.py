@@ -128,7 +128,9 @@ def plan_rollout(sampling: SamplingConfig, jagg: JAGGConfig, step: int, rollout:
     ``rollout``: how many rollouts came before (the progressive SDE window counts them; default step);
     ``breaks``: steps where the policy switches networks (``Policy.expert_starts``), never straddled."""
     kinds, stochastic = step_kinds_at(sampling, step, rollout)
-    windows = plan_windows(stochastic, jagg.window_size, jagg.chained, breaks)
+    # one trained step (Flash-GRPO, an SDE window of 1): its own exact window, whatever jagg.window_size
+    one = len(stochastic) == 1
+    windows = [Window(tuple(stochastic))] if one else plan_windows(stochastic, jagg.window_size, jagg.chained, breaks)
     chosen = choose_windows(len(windows), jagg.window_fraction, sampling.seed, step)
     return RolloutPlan(kinds, stochastic, [windows[i] for i in chosen])
 

@@ -23,7 +23,7 @@ from torch import Tensor
 from jagg_lightning.batching import batch_slice
 from jagg_lightning.collectives import Collectives
 from jagg_lightning.estimators import build_estimator
-from jagg_lightning.grpo import StepRecord, combined_advantages, group_advantages, step_loss
+from jagg_lightning.grpo import StepRecord, combined_advantages, group_advantages, rectification_weights, step_loss
 from jagg_lightning.jagg import (
     Window, WindowGradientCheck, WindowRecord, accumulate_gradients, alphas, check_window_gradients,
 )
@@ -174,16 +174,21 @@ class Updater:
                      samples: Tensor | None = None):
         """(k, v) -> this micro-batch's step-k share of the objective; appends (k, stats) to ``stats``. ``samples``:
         the micro-batch's rows of the rollout, whose per-sample losses the guard checks (None: no check)."""
-        kind, g = self.sampling.step_kind, self.grpo
+        kind, g, s = self.sampling.step_kind, self.grpo, self.sampling
         times = mb.times.tolist()  # one host read per micro-batch, not two per step
+        guard = g.ratio_norm or g.ratio_reweight
+        # Flash-GRPO's temporal rectification: a fixed weight per step, from the schedule alone (grpo.py)
+        weights = rectification_weights(times, s.trainable_steps, s.trainable_steps, kind, s.noise_level,
+                                        s.cps_log_prob) if g.temporal_rectification else {}
 
         def loss_of_step(k: int, v: Tensor) -> Tensor:
             record = StepRecord(
                 mb.latents[k], mb.latents[k + 1], times[k], times[k + 1], mb.log_probs[k],
-                advantages, None if ref_v is None else ref_v[k],
+                advantages, None if ref_v is None else ref_v[k], mb.velocities[k] if guard else None,
+                weights.get(k, 1.0),
             )
-            loss, st = step_loss(v, record, kind, self.sampling.noise_level, g.clip_range, g.kl_beta,
-                                 self.sampling.cps_log_prob, g.kl_convention)
+            loss, st = step_loss(v, record, kind, s.noise_level, g.clip_range, g.kl_beta, s.cps_log_prob,
+                                 g.kl_convention, g.ratio_norm, g.ratio_reweight)
             stats.append((k, st))
             if samples is not None:
                 self.guard.check_loss(samples, loss)
