@@ -23,16 +23,17 @@ coincide). The log-prob convention of CPS steps is ``cps_log_prob`` (see sde.py)
 
 Two published variants change L_ik, each a function of v_k alone (so JAGG folds their g_k = dL_k/dv_k unchanged):
 
-* GRPO-Guard (Wang et al., arXiv 2510.22319; ``ratio_norm`` / ``ratio_reweight``). With Delta = mu_theta - mu_old
-  (mu_old from the rollout's own velocity) the log-ratio of a Gaussian step is
-  log rho = mean(eps Delta) / s - mean(Delta^2) / (2 s^2) (eps the step's standard noise): its mean under the
-  rollout's noise is -mean(Delta^2) / (2 s^2) < 0 (the "left-shifted" ratio, the paper's Sec. 3) and its spread
-  ~ |Delta| / s differs by step. RatioNorm re-centres it PER SAMPLE (Flow-GRPO issue #244: not by a batch mean),
-        log rho_norm = log rho + mean(Delta^2) / (2 s^2),
-  and the reweighting scales it by the step's std, log rho_guard = s (log rho + mean(Delta^2) / (2 s^2))
-  = mean(eps Delta), so every step's ratio has the same spread and its gradient in v is s times smaller
-  (:func:`guarded_log_ratio`; transcribed from the one public implementation, Flow-Factory's ``GRPOGuardTrainer``:
-  ``exp((log_prob - old_log_prob) * s + mse / (2 s))``).
+* GRPO-Guard (Wang et al., arXiv 2510.22319). With Delta = mu_theta - mu_old (mu_old from the rollout's own velocity)
+  the log-ratio of a Gaussian step is log rho = mean(eps Delta) / s - mean(Delta^2) / (2 s^2) (eps the step's standard
+  noise, s its std): its mean under the rollout's noise is -b, b = mean(Delta^2) / (2 s^2) > 0 (the "left-shifted"
+  ratio whose mean falls below 1) and its spread ~ |Delta| / s differs by step. ``ratio_norm`` (RatioNorm) re-centres
+  it PER SAMPLE (Flow-GRPO issue #244: b of each sample, not a batch mean) and scales it by s,
+        log rho_guard = (log rho + b) s = mean(eps Delta)           (:func:`guarded_log_ratio`),
+  so every step's ratio has mean 1 and the same spread; ``ratio_reweight`` (the gradient reweighting) multiplies the
+  step's policy term by 1 / (-dt), which makes the gradient scale in v the same across steps
+  ((1 + sigma^2 (1 - t) / (2 t)) for the SDE). Transcribed from verl-omni's GRPO-Guard page (``GRPOGuardLoss``:
+  b_t, rho_t = exp((log p_theta - log p_old + b_t) sqrt(-dt) sigma_t), L_t = 1 / (sqrt(-dt))^2 E[max(...)]);
+  Flow-Factory's ``GRPOGuardTrainer`` computes the same rho (equation numbers of the paper: not read here, offline).
 * Flash-GRPO's temporal gradient rectification (He et al., arXiv 2605.15980): the per-element gradient of
   log pi in v is -c_k eps at theta = theta_old, with c_k = |dmu/dv| / s_k for a Gaussian step -- for the SDE
   c_k = sqrt(-dt) / sigma_k + sigma_k sqrt(-dt) (1 - t_k) / (2 t_k) (the authors' ``sde_step_with_logprob``
@@ -217,25 +218,26 @@ def step_loss(
     ratio_reweight: bool = False,
 ) -> tuple[Tensor, StepLossStats]:
     """Per-sample loss L_k [B] at velocity ``v`` and its detached statistics (conventions: module docstring;
-    ``ratio_norm`` / ``ratio_reweight``: GRPO-Guard, :func:`guarded_log_ratio`; ``record.policy_weight``: the
-    policy term's weight)."""
+    ``ratio_norm``: GRPO-Guard's RatioNorm, :func:`guarded_log_ratio`; ``ratio_reweight``: its policy term x 1 / (-dt);
+    ``record.policy_weight``: the policy term's weight, Flash-GRPO's rectification)."""
     if kl_convention not in KL_CONVENTIONS:
         raise ValueError(f"kl_convention must be one of {KL_CONVENTIONS}, got {kl_convention!r}")
     dist = step_distribution(record.z, v, record.t, record.t_next, kind, noise_level)
     log_prob = dist.log_prob(record.z_next, cps_log_prob)
     log_ratio = log_prob - record.old_log_prob.to(log_prob.dtype)
     clip_log_ratio = log_ratio
-    if ratio_norm or ratio_reweight:
+    if ratio_norm:
         if record.old_velocity is None:
-            raise ValueError("grpo.ratio_norm / ratio_reweight need the rollout's velocity of every trained step")
+            raise ValueError("grpo.ratio_norm needs the rollout's velocity of every trained step")
         old_mean = step_distribution(record.z, record.old_velocity, record.t, record.t_next, kind, noise_level).mean
-        clip_log_ratio = guarded_log_ratio(log_ratio, dist.mean, old_mean.detach(), dist.std, ratio_norm, ratio_reweight)
+        clip_log_ratio = guarded_log_ratio(log_ratio, dist.mean, old_mean.detach(), dist.std)
     ratio = torch.exp(clip_log_ratio)
     adv = record.advantage.to(log_prob.dtype)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
     policy_loss = torch.maximum(unclipped, clipped)
-    loss = policy_loss if record.policy_weight == 1.0 else record.policy_weight * policy_loss
+    weight = record.policy_weight / (record.t - record.t_next) if ratio_reweight else record.policy_weight
+    loss = policy_loss if weight == 1.0 else weight * policy_loss
     kl = torch.zeros_like(policy_loss)
     if kl_beta > 0:
         if record.ref_velocity is None:
@@ -256,16 +258,12 @@ def step_loss(
     return loss, stats
 
 
-def guarded_log_ratio(log_ratio: Tensor, mean: Tensor, old_mean: Tensor, std: Tensor, norm: bool = True,
-                      reweight: bool = True) -> Tensor:
-    """GRPO-Guard's log-ratio [B] (arXiv 2510.22319, RatioNorm and its gradient reweighting; module docstring):
-    ``norm`` adds mean((mean - old_mean)^2) / (2 s^2) PER SAMPLE (the log-ratio's expectation under the rollout's
-    noise is minus that), ``reweight`` multiplies by the step's std s. Both: s log rho + mean(Delta^2) / (2 s),
-    Flow-Factory's ``GRPOGuardTrainer``. At theta = theta_old (Delta = 0) it is exactly the log-ratio times s."""
+def guarded_log_ratio(log_ratio: Tensor, mean: Tensor, old_mean: Tensor, std: Tensor) -> Tensor:
+    """GRPO-Guard's RatioNorm [B] (arXiv 2510.22319; module docstring): (log rho + b) s with
+    b = mean((mean - old_mean)^2) / (2 s^2) of EACH sample and s the step's std. At theta = theta_old it is 0."""
     s = std.flatten() if std.ndim else std
-    mse = ((mean - old_mean) ** 2).mean(dim=tuple(range(1, mean.ndim)))
-    out = log_ratio + mse / (2 * s**2) if norm else log_ratio
-    return out * s if reweight else out
+    b = ((mean - old_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * s**2)
+    return (log_ratio + b) * s
 
 
 def gradient_scale(kind: StepKind, t: float, t_next: float, noise_level: float,
@@ -303,9 +301,8 @@ def check_variant_fields(grpo) -> None:
 
 
 def check_variants(grpo, step_kind: StepKind, cps_log_prob: LogProbConvention) -> None:
-    """GRPO-Guard re-centres a Gaussian log-ratio: refused on Flow-GRPO's CPS squared-error "log-prob"."""
+    """RatioNorm re-centres a Gaussian log-ratio: refused on Flow-GRPO's CPS squared-error "log-prob"."""
     squared = STEP_KINDS[step_kind].squared_error_log_prob and cps_log_prob == "squared_error"
-    for name in ("ratio_norm", "ratio_reweight"):
-        check(not (getattr(grpo, name) and squared), f"grpo.{name}", f"false with sampling.step_kind {step_kind!r} "
-              "and sampling.cps_log_prob 'squared_error' (GRPO-Guard re-centres a Gaussian log-ratio: use "
-              "cps_log_prob 'gaussian' or an SDE step kind)", getattr(grpo, name))
+    check(not (grpo.ratio_norm and squared), "grpo.ratio_norm", f"false with sampling.step_kind {step_kind!r} and "
+          "sampling.cps_log_prob 'squared_error' (RatioNorm re-centres a Gaussian log-ratio: use cps_log_prob "
+          "'gaussian' or an SDE step kind)", grpo.ratio_norm)

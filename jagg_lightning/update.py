@@ -176,7 +176,6 @@ class Updater:
         the micro-batch's rows of the rollout, whose per-sample losses the guard checks (None: no check)."""
         kind, g, s = self.sampling.step_kind, self.grpo, self.sampling
         times = mb.times.tolist()  # one host read per micro-batch, not two per step
-        guard = g.ratio_norm or g.ratio_reweight
         # Flash-GRPO's temporal rectification: a fixed weight per step, from the schedule alone (grpo.py)
         weights = rectification_weights(times, s.trainable_steps, s.trainable_steps, kind, s.noise_level,
                                         s.cps_log_prob) if g.temporal_rectification else {}
@@ -184,7 +183,7 @@ class Updater:
         def loss_of_step(k: int, v: Tensor) -> Tensor:
             record = StepRecord(
                 mb.latents[k], mb.latents[k + 1], times[k], times[k + 1], mb.log_probs[k],
-                advantages, None if ref_v is None else ref_v[k], mb.velocities[k] if guard else None,
+                advantages, None if ref_v is None else ref_v[k], mb.velocities[k] if g.ratio_norm else None,
                 weights.get(k, 1.0),
             )
             loss, st = step_loss(v, record, kind, s.noise_level, g.clip_range, g.kl_beta, s.cps_log_prob,

@@ -72,17 +72,18 @@ def test_rectification_weights_average_one_and_equalise_the_gradient_scale(rng_s
     assert rel_error([weighted - plain], [(w[3] - 1) * st.policy_loss]) < 1e-12
 
 
-def flow_factory_guard_loss(log_prob, old_log_prob, mean, old_mean, std, adv, clip):
-    """Transcription of Flow-Factory's GRPOGuardTrainer (the public GRPO-Guard implementation):
-    scale = sqrt(-dt) std_dev_t; mse = mean((mu - mu_old)^2); ratio = exp((log_prob - old) scale + mse / (2 scale));
-    loss = max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))."""
-    mse = (mean - old_mean).flatten(1).pow(2).mean(dim=1)
-    ratio = torch.exp((log_prob - old_log_prob) * std + mse / (2 * std))
-    return torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip, 1 + clip))
+def guard_loss(log_prob, old_log_prob, mean, old_mean, std_dev_t, sqrt_dt, adv, clip, reweight):
+    """Transcription of GRPO-Guard as verl-omni documents its GRPOGuardLoss (Flow-Factory's GRPOGuardTrainer makes the
+    same rho): b_t = ||mu_theta - mu_old||^2_mean / (2 (sqrt(-dt) sigma_t)^2),
+    rho_t = exp((log p_theta - log p_old + b_t) sqrt(-dt) sigma_t), L_t = 1 / (sqrt(-dt))^2 max(-A rho, -A clip(rho))."""
+    b = (mean - old_mean).flatten(1).pow(2).mean(dim=1) / (2 * (sqrt_dt * std_dev_t) ** 2)
+    ratio = torch.exp((log_prob - old_log_prob + b) * (sqrt_dt * std_dev_t))
+    loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip, 1 + clip))
+    return loss / sqrt_dt**2 if reweight else loss
 
 
-@pytest.mark.parametrize("kind", ["sde", "sde_constant"])
-def test_guard_loss_and_gradient_equal_the_transcription_per_sample(kind, rng_seed):
+@pytest.mark.parametrize("kind, reweight", [("sde", True), ("sde", False), ("sde_constant", True)])
+def test_guard_loss_and_gradient_equal_the_transcription_per_sample(kind, reweight, rng_seed):
     gen = torch.Generator().manual_seed(rng_seed)
     times = flow_match_sigmas(10).double().tolist()
     k = int(torch.randint(0, 8, (1,), generator=gen))
@@ -94,26 +95,25 @@ def test_guard_loss_and_gradient_equal_the_transcription_per_sample(kind, rng_se
     adv = torch.randn(5, generator=gen, dtype=F64)
     rec = StepRecord(z, z_next, times[k], times[k + 1], old.log_prob(z_next), adv, old_velocity=v_old)
     leaf = v_new.clone().requires_grad_(True)
-    got, stats = step_loss(leaf, rec, kind, a, clip, ratio_norm=True, ratio_reweight=True)
+    got, stats = step_loss(leaf, rec, kind, a, clip, ratio_norm=True, ratio_reweight=reweight)
     (got_grad,) = torch.autograd.grad(got.sum(), leaf)
     ref_leaf = v_new.clone().requires_grad_(True)
     new = step_distribution(z, ref_leaf, times[k], times[k + 1], kind, a)
-    want = flow_factory_guard_loss(new.log_prob(z_next), rec.old_log_prob, new.mean, old.mean, float(old.std), adv, clip)
+    sqrt_dt = math.sqrt(times[k] - times[k + 1])
+    want = guard_loss(new.log_prob(z_next), rec.old_log_prob, new.mean, old.mean, float(old.sigma), sqrt_dt, adv, clip,
+                      reweight)
     (want_grad,) = torch.autograd.grad(want.sum(), ref_leaf)
     assert rel_error([got.detach()], [want.detach()]) < 1e-10 and rel_error([got_grad], [want_grad]) < 1e-10
-    # the derivation in grpo.py: the guarded log-ratio is mean(eps (mu_theta - mu_old)) exactly
+    # the derivation in grpo.py: the normalised log-ratio is mean(eps (mu_theta - mu_old)) exactly
     delta = (new.mean - old.mean).detach()
     assert rel_error([torch.log(stats.ratio)], [(eps * delta).flatten(1).mean(1)]) < 1e-10
-    # RatioNorm alone re-centres by the sample's own mse / (2 s^2); per sample: another sample's drift leaves it
-    s = float(old.std)
-    alone = guarded_log_ratio(stats.log_ratio, new.mean.detach(), old.mean, old.std, True, False)
-    assert rel_error([alone], [stats.log_ratio + delta.flatten(1).pow(2).mean(1) / (2 * s * s)]) < 1e-10
+    # per sample: b is each sample's own; another sample's drift leaves a sample's ratio untouched
     moved = new.mean.detach().clone()
     moved[1:] += 1.0
     assert guarded_log_ratio(stats.log_ratio, moved, old.mean, old.std)[0] == \
         guarded_log_ratio(stats.log_ratio, new.mean.detach(), old.mean, old.std)[0]
-    # at theta = theta_old the guarded ratio is exactly 1 (the first update)
-    _, first = step_loss(v_old, rec, kind, a, clip, ratio_norm=True, ratio_reweight=True)
+    # at theta = theta_old the normalised ratio is exactly 1 (the first update)
+    _, first = step_loss(v_old, rec, kind, a, clip, ratio_norm=True, ratio_reweight=reweight)
     assert torch.equal(first.ratio, torch.ones_like(first.ratio))
 
 
@@ -151,8 +151,9 @@ def test_variant_fields_and_cross_checks():
     with pytest.raises(ValueError, match=r"grpo\.temporal_rectification must be true or false"):
         GRPOConfig(temporal_rectification=1)
     cps = SamplingConfig(num_steps=6, step_kind="cps", trained_steps=4)
-    with pytest.raises(ValueError, match=r"grpo\.ratio_reweight must be false with sampling\.step_kind 'cps'"):
-        check_sections(cps, GRPOConfig(ratio_reweight=True), JAGGConfig(window_size=2))
+    with pytest.raises(ValueError, match=r"grpo\.ratio_norm must be false with sampling\.step_kind 'cps'"):
+        check_sections(cps, GRPOConfig(ratio_norm=True), JAGGConfig(window_size=2))
+    check_sections(cps, GRPOConfig(ratio_reweight=True), JAGGConfig(window_size=2))  # 1 / (-dt): any step kind
     check_sections(SamplingConfig(num_steps=6, step_kind="cps", trained_steps=4, cps_log_prob="gaussian"),
                    GRPOConfig(ratio_norm=True, ratio_reweight=True), JAGGConfig(window_size=2))
 
