@@ -69,6 +69,11 @@ METHODS = {
                                      sde_window_schedule="random"),
                        grpo=dict(temporal_rectification=True), jagg=dict(UNFUSED_EXACT, window_size=2),
                        what="Flash-GRPO: one SDE step in [0, 5) per rollout, 1/c(t) rectified"),
+    # ... and drawn per prompt, as the authors do (each group its own step: sampling.sde_window_draw group)
+    "flash_grpo_group": dict(sampling=dict(FAST_WINDOW, sde_window_size=1, sde_window_range=[0, 5],
+                                           sde_window_schedule="random", sde_window_draw="group"),
+                             grpo=dict(temporal_rectification=True), jagg=dict(UNFUSED_EXACT, window_size=2),
+                             what="Flash-GRPO: one SDE step per GROUP in [0, 5), 1/c(t) rectified (the authors' draw)"),
     # DanceGRPO timestep_fraction 0.6 at pair granularity: 3 of the 5 (k, k + 1) pairs per rollout (docs/parity.md)
     "dance_fraction": dict(jagg=dict(UNFUSED_EXACT, window_size=2, window_fraction=0.6),
                            what="DanceGRPO timestep_fraction 0.6 (3 of 5 step pairs per rollout, exact)"),

@@ -19,6 +19,7 @@ from jagg_lightning.grpo import KL_CONVENTIONS, MULTI_REWARD, check_variant_fiel
 from jagg_lightning.ode_solvers import check_ode_tail
 from jagg_lightning.routing import ROUTING_SCORES
 from jagg_lightning.sde import CPS_LOG_PROBS, STEP_KINDS, TRAINABLE_STEP_KINDS
+from jagg_lightning.sde_window import check_sde_window
 
 
 @dataclass
@@ -141,7 +142,8 @@ class SamplingConfig:
     SDE window (Flow-GRPO-Fast / MixGRPO): with ``sde_window_size`` set, only that many consecutive steps
     are stochastic (``step_kind``) and trained, every other step is ODE; the window lies inside
     ``sde_window_range`` = [lo, hi) and its start is drawn per rollout (``sde_window_schedule`` "random")
-    or slides by ``sde_window_stride`` every ``sde_window_shift_every`` rollouts ("progressive", MixGRPO).
+    or slides by ``sde_window_stride`` every ``sde_window_shift_every`` rollouts ("progressive", MixGRPO);
+    ``sde_window_draw`` "group" draws a 1-step window per prompt instead of per rollout (Flash-GRPO's iso-temporal groups).
     ``train_guidance_scale`` overrides ``policy.guidance_scale`` in rollouts and training; 1.0 = no guidance
     (Flow-GRPO's CFG-free training; evaluation keeps ``evaluation.guidance_scale``).
 
@@ -167,6 +169,7 @@ class SamplingConfig:
     sde_window_stride: int = 1
     train_guidance_scale: float | None = None
     window_fraction: float | None = None  # deprecated: jagg.window_fraction
+    sde_window_draw: Literal["rollout", "group"] = "rollout"
 
     def __post_init__(self):
         check_ints(self, "sampling", "num_steps", "group_size", "rollout_batch_size", "trained_steps", "seed",
@@ -190,32 +193,8 @@ class SamplingConfig:
               "in (0, 1] (deprecated: jagg.window_fraction)", self.window_fraction)
         check(self.train_guidance_scale is None or self.train_guidance_scale >= 1.0, "sampling.train_guidance_scale",
               ">= 1.0 (1.0 = no guidance) or null", self.train_guidance_scale)
-        self._check_sde_window()
+        check_sde_window(self)
         check_ode_tail(self)
-
-    def _check_sde_window(self) -> None:
-        if self.sde_window_size is None:
-            check(self.sde_window_range is None, "sampling.sde_window_range", "null without sampling.sde_window_size",
-                  self.sde_window_range)
-            return
-        check(self.sde_window_size >= 1, "sampling.sde_window_size", ">= 1 or null", self.sde_window_size)
-        check(self.trained_steps is None, "sampling.trained_steps", "null with sampling.sde_window_size (the window "
-              "is what is trained)", self.trained_steps)
-        if self.sde_window_range is None:
-            self.sde_window_range = [0, self.num_steps - 1]
-        into_zero = STEP_KINDS[self.step_kind].deterministic_into_zero
-        last = self.num_steps - 1 if into_zero else self.num_steps
-        ok = len(self.sde_window_range) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                      for x in self.sde_window_range)
-        ok = ok and 0 <= self.sde_window_range[0]
-        ok = ok and self.sde_window_range[1] <= last and self.sde_window_range[1] - self.sde_window_range[0] >= self.sde_window_size
-        check(ok, "sampling.sde_window_range", f"[lo, hi] (integers) with 0 <= lo, hi <= {last} (num_steps"
-              f"{f' - 1: a {self.step_kind} step into t = 0 is deterministic' if into_zero else ''}) and "
-              f"hi - lo >= sde_window_size={self.sde_window_size}", self.sde_window_range)
-        check(self.sde_window_schedule in ("random", "progressive"), "sampling.sde_window_schedule",
-              "'random' or 'progressive'", self.sde_window_schedule)
-        for name in ("sde_window_shift_every", "sde_window_stride"):
-            check(getattr(self, name) >= 1, f"sampling.{name}", ">= 1", getattr(self, name))
 
     @property
     def num_trained(self) -> int:
@@ -424,6 +403,10 @@ def check_sections(sampling: SamplingConfig, grpo: GRPOConfig, jagg: JAGGConfig)
     if jagg.fused_rollout:
         check_fused(sampling, grpo)
     check_variants(grpo, sampling.step_kind, sampling.cps_log_prob)
+    if sampling.sde_window_draw == "group":  # per-row trained steps: the unfused update groups rows by their step
+        why = "with sampling.sde_window_draw 'group' (each group trains its own step)"
+        check(not jagg.fused_rollout, "jagg.fused_rollout", f"false {why}", jagg.fused_rollout)
+        check(grpo.kl_beta == 0, "grpo.kl_beta", f"0 {why}: the KL reference is taken per rollout step", grpo.kl_beta)
 
 
 def check_fused(s: SamplingConfig, g: GRPOConfig) -> None:

@@ -31,7 +31,7 @@ from jagg_lightning.nonfinite import NonFiniteGuard
 from jagg_lightning.routing import route_windows, routing_score
 from jagg_lightning.passes import fused_graph_steps, fused_samples, pass_plan, reference_steps
 from jagg_lightning.rewards import Reward, component_weights
-from jagg_lightning.rollout import RolloutBatch, RolloutPlan, SampledMicroBatch, Trajectory, sample_seed
+from jagg_lightning.rollout import RolloutBatch, RolloutPlan, SampledMicroBatch, Trajectory, group_steps, sample_seed
 from jagg_lightning.sampler import Sampler, ScoredMicroBatch
 
 _ROUTING_STREAM, _CONTROL_STREAM = -4, -5  # sample_seed streams of the random routing scores and the control draws
@@ -103,6 +103,7 @@ class Updater:
         self.estimator = build_estimator(jagg)  # a routed window's draws and fold weights (estimators/)
         # the non-finite checks of every update (nonfinite.py); the optimizer step decides on them
         self.guard = NonFiniteGuard(grpo.max_nonfinite_in_a_row, sampling.group_size)
+        self.row_steps: Tensor | None = None  # each sample's trained step, with sampling.sde_window_draw: group
 
     def advantages(self, rewards: Tensor, collectives: Collectives | None = None) -> Tensor:
         """Group advantages of rewards [N] laid out prompt-major (``grpo`` settings; global std over all processes)."""
@@ -202,6 +203,8 @@ class Updater:
         (:func:`~jagg_lightning.passes.pass_plan`); each sample's loss is scaled by 1 / (update_size * trained steps).
         ``first_update``: theta is still the rollout's theta_old (:meth:`engine_pass`). ``samples``: ``mb``'s rows of
         the rollout (the guard's loss check)."""
+        if self.row_steps is not None and samples is not None:  # group draws: each sample's pass at its own step
+            return self.backward_by_step(mb, advantages, cond, update_size, plan, first_update, stats, backward, samples)
         size, split_anchors = pass_plan(advantages.shape[0], windows, self.memory, self.sampler.activation_bytes)
         records = []
         for start in range(0, advantages.shape[0], size):
@@ -209,6 +212,18 @@ class Updater:
             records += self.engine_pass(mb.select(rows), advantages[rows], batch_slice(cond, rows), update_size, plan,
                                         windows, first_update, stats, split_anchors, backward,
                                         samples=None if samples is None else samples[rows])
+        return records
+
+    def backward_by_step(self, mb: Trajectory, advantages: Tensor, cond: tuple, update_size: int, plan: RolloutPlan,
+                         first_update: bool, stats: list, backward, samples: Tensor) -> list[WindowRecord]:
+        """``sampling.sde_window_draw: group``: the micro-batch's samples grouped by their drawn step, one exact pass per
+        step on its rows (each sample's loss still 1 / (update_size x its one trained step))."""
+        steps, records = self.row_steps.to(samples.device)[samples], []
+        for k in sorted(set(steps.tolist())):
+            rows = (steps == k).nonzero().flatten()
+            window = next(w for w in plan.windows if w.steps == (k,))
+            records += self.engine_pass(mb.select(rows), advantages[rows], batch_slice(cond, rows), update_size, plan,
+                                        [window], first_update, stats, False, backward, samples=samples[rows])
         return records
 
     def engine_pass(self, mb: Trajectory, advantages: Tensor, cond: tuple, update_size: int, plan: RolloutPlan,
@@ -221,7 +236,7 @@ class Updater:
         (ratio exactly 1); its two anchors still share ONE backward unless ``split_anchors``."""
         interior_cache = mb.velocities if first_update and self.jagg.cache_interior else None
         batch_anchors = not first_update
-        scale = advantages.shape[0] / (update_size * len(plan.trained_steps))
+        scale = advantages.shape[0] / (update_size * plan.steps_per_sample)
         loss_of_step = self.step_loss_fn(mb, advantages, mb.ref_velocities, scale, stats, samples)
         return accumulate_gradients(
             self.sampler.velocity, mb.latents, mb.times, cond, loss_of_step, windows, cached_velocities=interior_cache,
@@ -274,7 +289,11 @@ class Updater:
         cond = self.sampler.encode(prompts)
         graph_steps = fused_graph_steps(plan.windows, self.jagg, self.memory) if fused else set()
         graph_samples = fused_samples(len(graph_steps), self.memory, self.sampler.activation_bytes) if fused else None
-        rollout = self.sampler.rollout(cond, indices, step, plan.step_kinds, sorted(taken), graph_steps, graph_samples)
+        # Flash-GRPO's iso-temporal groups (sampling.sde_window_draw: group): each sample at its prompt's own step
+        self.row_steps = None if self.sampling.sde_window_draw != "group" else torch.tensor(
+            group_steps(self.sampling, step, indices)).repeat_interleave(self.sampling.group_size)
+        rollout = self.sampler.rollout(cond, indices, step, plan.step_kinds, sorted(taken), graph_steps, graph_samples,
+                                       None if self.row_steps is None else self.row_steps.tolist())
         sample_prompts = [p for p in prompts for _ in range(self.sampling.group_size)]
         report = StepReport(cond)
         self.guard.start_rollout(indices, self.sampler.device)

@@ -9,7 +9,7 @@ import torch
 from jagg_lightning.config import GRPOConfig, JAGGConfig, SamplingConfig, check_sections
 from jagg_lightning.grpo import StepRecord, gradient_scale, guarded_log_ratio, rectification_weights, step_loss
 from jagg_lightning.routing import route_windows
-from jagg_lightning.rollout import plan_rollout
+from jagg_lightning.rollout import group_steps, plan_rollout, sample_trajectories
 from jagg_lightning.sde import flow_match_sigmas, sample_step, step_distribution
 
 from helpers import rel_error
@@ -172,3 +172,50 @@ def test_one_trained_step_is_its_own_exact_window():
     assert len(starts) > 1
     with pytest.raises(ValueError, match=r"jagg\.window_size must be <= sampling\.sde_window_size \(2\)"):
         check_sections(SamplingConfig(num_steps=10, sde_window_size=2), GRPOConfig(), jagg)
+
+
+def test_group_draws_are_iso_temporal_and_layout_free(rng_seed):
+    """Flash-GRPO's per-group draw: one step per prompt, from (seed, step, prompt index) alone."""
+    sampling = SamplingConfig(num_steps=10, sde_window_size=1, sde_window_range=[2, 7], sde_window_draw="group",
+                              seed=rng_seed % 1000 + 1)
+    prompts = list(range(40))
+    steps = group_steps(sampling, 3, prompts)
+    assert all(2 <= k < 7 for k in steps) and len(set(steps)) > 1
+    assert group_steps(sampling, 3, prompts[20:] + prompts[:20]) == steps[20:] + steps[:20]  # any split, any order
+    assert group_steps(sampling, 4, prompts) != steps  # a fresh draw per rollout
+    plan = plan_rollout(sampling, JAGGConfig(window_size=2, jagg_frac=0.0), 3)
+    assert plan.step_kinds == ["ode"] * 10 and plan.trained_steps == [2, 3, 4, 5, 6] and plan.steps_per_sample == 1
+    with pytest.raises(ValueError, match=r"sampling\.sde_window_draw must be 'rollout' unless"):
+        SamplingConfig(num_steps=10, sde_window_size=2, sde_window_draw="group")
+    with pytest.raises(ValueError, match=r"jagg\.fused_rollout must be false with sampling\.sde_window_draw 'group'"):
+        check_sections(sampling, GRPOConfig(adv_std="group"), JAGGConfig(window_size=2, fused_rollout=True))
+    with pytest.raises(ValueError, match=r"grpo\.kl_beta must be 0 with sampling\.sde_window_draw 'group'"):
+        check_sections(sampling, GRPOConfig(kl_beta=0.01), JAGGConfig(window_size=2))
+
+
+def test_rollout_row_steps_equal_each_rows_own_rollout(rng_seed):
+    """A row whose step k is its own SDE step gets the trajectory (float64) it would get from a rollout with the SDE
+    at k for every row: the rows' steps are computed on those rows alone, element-wise."""
+    gen = torch.Generator().manual_seed(rng_seed)
+    weight = torch.randn(8, 8, generator=gen, dtype=F64) / 3
+
+    def velocity(z, t, cond):  # row-independent, non-linear in (z, t)
+        return torch.tanh(z.flatten(1) @ weight.T).view_as(z) * (1 + t.view(-1, 1, 1, 1)) + cond
+
+    times = flow_match_sigmas(8).double()
+    n, shape = 6, (2, 2, 2)
+    cond = torch.randn(n, *shape, generator=gen, dtype=F64)
+    seeds = torch.randint(0, 2**31, (n,), generator=gen).tolist()
+    row_steps = [int(k) for k in torch.randint(0, 5, (n,), generator=gen)]
+
+    def gens():
+        return [torch.Generator().manual_seed(s) for s in seeds]
+
+    mixed = sample_trajectories(velocity, cond, gens(), shape, times, ["ode"] * 8, 0.7, 4, dtype=F64,
+                                row_steps=row_steps)
+    for i, k in enumerate(row_steps):
+        own = sample_trajectories(velocity, cond, gens(), shape, times, ["sde" if j == k else "ode" for j in range(8)],
+                                  0.7, 4, dtype=F64)
+        assert rel_error([mixed.latents[:, i]], [own.latents[:, i]]) < 1e-12
+        assert rel_error([mixed.log_probs[:, i]], [own.log_probs[:, i]]) < 1e-12
+        assert (mixed.log_probs[:, i] != 0).tolist() == [j == k for j in range(8)]
