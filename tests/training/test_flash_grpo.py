@@ -4,6 +4,7 @@ by Flash-GRPO's (1 / c_k) / mean (1 / c), the mean over all samples of their one
 
 import copy
 
+import pytest
 import torch
 
 from jagg_lightning.batching import batch_slice
@@ -15,6 +16,7 @@ from helpers import float64_reward, lora_grads, randomize_lora_b, rel_error, tin
 from modules import PROMPTS, fit
 
 
+@pytest.mark.slow
 def test_flash_grpo_group_draw_step_equals_handwritten(rng_seed):
     seed, lr, group = rng_seed % 10_000, 0.5, 3
     sampling = SamplingConfig(num_steps=8, group_size=group, rollout_batch_size=6, sde_window_size=1,
