@@ -291,7 +291,7 @@ class JAGGModule(L.LightningModule):
             rank_zero_warn(warning)
         # what exact GRPO makes of each pass kind (callbacks read it: records alone cannot tell micro-batches
         # from the parts a memory budget or fused_samples splits them into)
-        self.exact_backwards = len(self.plan.trained_steps) * report.micro_batches
+        self.exact_backwards = self.plan.steps_per_sample * report.micro_batches
         values = train_metrics(report, self.windows, self.ratio_check, self.exact_backwards,
                                collectives.gradient_all_reduces, self.updater.guard.skipped, decodes)
         rewards = report.rewards

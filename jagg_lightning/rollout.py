@@ -92,6 +92,15 @@ def choose_windows(num_windows: int, fraction: float, seed: int, step: int) -> l
     return sorted(torch.randperm(num_windows, generator=gen)[:count].tolist())
 
 
+def group_steps(sampling: SamplingConfig, step: int, prompt_indices: Sequence[int]) -> list[int]:
+    """``sampling.sde_window_draw: group`` (Flash-GRPO's iso-temporal groups): each prompt's ONE trained step, uniform
+    over the SDE window's range, drawn from (seed, step, prompt index) -- the same for all of its samples, whatever the
+    batch layout or the number of processes."""
+    lo, hi = sampling.sde_window_range
+    return [lo + int(torch.randint(hi - lo, (1,), generator=torch.Generator().manual_seed(
+        sample_seed(sampling.seed, step, _WINDOW_START_STREAM, p)))) for p in prompt_indices]
+
+
 def step_kinds_at(sampling: SamplingConfig, step: int, rollout: int | None = None) -> tuple[list[str], list[int]]:
     """(kind of every sampling step, the stochastic steps) of the rollout at ``step``: the SDE window drawn or
     slid by :func:`sde_window_start`, else the first ``num_trained`` steps; ``rollout``: how many rollouts came
@@ -101,6 +110,8 @@ def step_kinds_at(sampling: SamplingConfig, step: int, rollout: int | None = Non
         stochastic = list(range(s.num_trained))
         after = "ode" if s.ode_after_trained else s.step_kind
         kinds = [s.step_kind if k < s.num_trained else after for k in range(s.num_steps)]
+    elif s.sde_window_draw == "group":  # every step ODE but each row's own (group_steps, the rollout's row_steps)
+        return ["ode"] * s.num_steps, list(range(*s.sde_window_range))
     else:
         start = sde_window_start(s.seed, step, s.sde_window_size, s.sde_window_range, s.sde_window_schedule,
                                  s.sde_window_shift_every, s.sde_window_stride, rollout)
@@ -116,10 +127,16 @@ class RolloutPlan:
     step_kinds: list[str]  # per sampling step: "sde" / "cps" inside the stochastic steps, "ode" elsewhere
     stochastic_steps: list[int]  # the SDE window (or the first num_trained steps)
     windows: list[Window] = field(default_factory=list)  # the JAGG windows trained (after window_fraction)
+    per_sample_steps: int | None = None  # steps each sample trains, when not every trained step (group draws)
 
     @property
     def trained_steps(self) -> list[int]:
         return sorted({k for w in self.windows for k in w.steps})
+
+    @property
+    def steps_per_sample(self) -> int:
+        """Trained steps per sample: the loss's mean runs over them."""
+        return self.per_sample_steps or len(self.trained_steps)
 
 
 def plan_rollout(sampling: SamplingConfig, jagg: JAGGConfig, step: int, rollout: int | None = None,
@@ -128,6 +145,11 @@ def plan_rollout(sampling: SamplingConfig, jagg: JAGGConfig, step: int, rollout:
     ``rollout``: how many rollouts came before (the progressive SDE window counts them; default step);
     ``breaks``: steps where the policy switches networks (``Policy.expert_starts``), never straddled."""
     kinds, stochastic = step_kinds_at(sampling, step, rollout)
+    # one trained step (Flash-GRPO, an SDE window of 1): its own exact window, whatever jagg.window_size; drawn per
+    # group: one window per step a group may draw (the update trains each sample at its own, Updater.step)
+    if sampling.sde_window_size == 1:
+        windows = [Window((k,)) for k in stochastic]
+        return RolloutPlan(kinds, stochastic, windows, per_sample_steps=1)
     windows = plan_windows(stochastic, jagg.window_size, jagg.chained, breaks)
     chosen = choose_windows(len(windows), jagg.window_fraction, sampling.seed, step)
     return RolloutPlan(kinds, stochastic, [windows[i] for i in chosen])
@@ -189,6 +211,8 @@ def rollout_micro_batches(
     grad_steps: Collection[int] = (),
     grad_samples: int | None = None,
     ode_solver: str = "euler",
+    row_steps: Sequence[int] | None = None,
+    row_kind: StepKind = "sde",
 ) -> Iterator[SampledMicroBatch]:
     """Run len(generators) samples through the S = len(step_kinds) steps, micro-batch by micro-batch, yielding each
     micro-batch as it ends (the caller decodes and scores it, or updates on it, while the next one waits).
@@ -200,6 +224,8 @@ def rollout_micro_batches(
     grad; the micro-batch carries those velocities with their graphs (``graphs``); the sampler uses them detached.
     ODE steps move by ``ode_solver`` (:class:`~jagg_lightning.ode_solvers.ODEStepper`: "euler", or "dpmpp_2m" whose
     history starts afresh after each stochastic step); every step still draws its noise, in order.
+    ``row_steps`` (per sample, Flash-GRPO's per-group draw; Euler ODE steps): sample i takes a ``row_kind`` step at
+    step ``row_steps[i]`` instead of the step's kind (computed on those rows alone: element-wise, as on all rows).
     """
     num = len(generators)
     steps = len(step_kinds)
@@ -245,15 +271,22 @@ def rollout_micro_batches(
             dist = step_distribution(z, v, times[k], times[k + 1], kind, noise_level)
             eps = noise(gens)
             stochastic = STEP_KINDS[kind].stochastic
+            z_in = z
             if stochastic:
                 z = sample_step(dist, eps)
                 ode.reset()
             else:
                 z = ode.step(k, z, v, dist.mean)
-            velocities[k, part] = v
-            latents[k + 1, part] = z
             if stochastic:
                 log_probs[k, part] = dist.log_prob(z, cps_log_prob)
+            rows = [i - part.start for i in range(part.start, part.stop) if row_steps is not None and row_steps[i] == k]
+            if rows:  # these rows' own stochastic step
+                own = step_distribution(z_in[rows], v[rows], times[k], times[k + 1], row_kind, noise_level)
+                z = z.clone()
+                z[rows] = sample_step(own, eps[rows])
+                log_probs[k, part.start + torch.tensor(rows)] = own.log_prob(z[rows], cps_log_prob)
+            velocities[k, part] = v
+            latents[k + 1, part] = z
         yield mb
 
 

@@ -104,7 +104,7 @@ class Sampler:
 
     def rollout(self, cond: tuple, prompt_indices: list[int], step: int, step_kinds: list[str] | None = None,
                 reference_steps: Collection[int] = (), graph_steps: Collection[int] = (),
-                graph_samples: int | None = None) -> Iterator[SampledMicroBatch]:
+                graph_samples: int | None = None, row_steps: list[int] | None = None) -> Iterator[SampledMicroBatch]:
         """K samples per prompt (prompt-major, ``cond`` = :meth:`encode` of the prompts), yielded micro-batch by
         micro-batch as each ends (:func:`~jagg_lightning.rollout.rollout_micro_batches`).
 
@@ -112,7 +112,8 @@ class Sampler:
         With kl_beta > 0 the reference velocity (adapter off) of every ``reference_steps`` step is taken
         inside the rollout, on the same z and t (``trajectory.ref_velocities``). The fused mode's ``graph_steps``
         keep their graphs for the first ``graph_samples`` samples of each micro-batch (None: all). With
-        ``sampling.ode_steps`` the ODE tail after the trained steps runs on its own grid (:meth:`rollout_grid`)."""
+        ``sampling.ode_steps`` the ODE tail after the trained steps runs on its own grid (:meth:`rollout_grid`).
+        ``row_steps``: each sample's own stochastic step (``sampling.sde_window_draw: group``)."""
         times, kinds = self.rollout_grid(step_kinds or step_kinds_at(self.sampling, step)[0])
         return rollout_micro_batches(
             self.velocity, cond, sample_generators(self.sampling.seed, step, prompt_indices, self.sampling.group_size),
@@ -120,7 +121,7 @@ class Sampler:
             self.device, self.sde_dtype, self.sampling.cps_log_prob,
             reference_fn=self.reference_velocity if self.kl_beta > 0 and reference_steps else None,
             reference_steps=set(reference_steps), grad_steps=set(graph_steps), grad_samples=graph_samples,
-            ode_solver=self.sampling.ode_solver,
+            ode_solver=self.sampling.ode_solver, row_steps=row_steps, row_kind=self.sampling.step_kind,
         )
 
     def rollout_grid(self, step_kinds: list[str]) -> tuple[Tensor, list[str]]:

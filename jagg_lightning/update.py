@@ -23,7 +23,7 @@ from torch import Tensor
 from jagg_lightning.batching import batch_slice
 from jagg_lightning.collectives import Collectives
 from jagg_lightning.estimators import build_estimator
-from jagg_lightning.grpo import StepRecord, combined_advantages, group_advantages, step_loss
+from jagg_lightning.grpo import StepRecord, combined_advantages, group_advantages, rectification_weights, step_loss
 from jagg_lightning.jagg import (
     Window, WindowGradientCheck, WindowRecord, accumulate_gradients, alphas, check_window_gradients,
 )
@@ -31,7 +31,7 @@ from jagg_lightning.nonfinite import NonFiniteGuard
 from jagg_lightning.routing import route_windows, routing_score
 from jagg_lightning.passes import fused_graph_steps, fused_samples, pass_plan, reference_steps
 from jagg_lightning.rewards import Reward, component_weights
-from jagg_lightning.rollout import RolloutBatch, RolloutPlan, SampledMicroBatch, Trajectory, sample_seed
+from jagg_lightning.rollout import RolloutBatch, RolloutPlan, SampledMicroBatch, Trajectory, group_steps, sample_seed
 from jagg_lightning.sampler import Sampler, ScoredMicroBatch
 
 _ROUTING_STREAM, _CONTROL_STREAM = -4, -5  # sample_seed streams of the random routing scores and the control draws
@@ -103,6 +103,7 @@ class Updater:
         self.estimator = build_estimator(jagg)  # a routed window's draws and fold weights (estimators/)
         # the non-finite checks of every update (nonfinite.py); the optimizer step decides on them
         self.guard = NonFiniteGuard(grpo.max_nonfinite_in_a_row, sampling.group_size)
+        self.row_steps: Tensor | None = None  # each sample's trained step, with sampling.sde_window_draw: group
 
     def advantages(self, rewards: Tensor, collectives: Collectives | None = None) -> Tensor:
         """Group advantages of rewards [N] laid out prompt-major (``grpo`` settings; global std over all processes)."""
@@ -174,16 +175,20 @@ class Updater:
                      samples: Tensor | None = None):
         """(k, v) -> this micro-batch's step-k share of the objective; appends (k, stats) to ``stats``. ``samples``:
         the micro-batch's rows of the rollout, whose per-sample losses the guard checks (None: no check)."""
-        kind, g = self.sampling.step_kind, self.grpo
+        kind, g, s = self.sampling.step_kind, self.grpo, self.sampling
         times = mb.times.tolist()  # one host read per micro-batch, not two per step
+        # Flash-GRPO's temporal rectification: a fixed weight per step, from the schedule alone (grpo.py)
+        weights = rectification_weights(times, s.trainable_steps, s.trainable_steps, kind, s.noise_level,
+                                        s.cps_log_prob) if g.temporal_rectification else {}
 
         def loss_of_step(k: int, v: Tensor) -> Tensor:
             record = StepRecord(
                 mb.latents[k], mb.latents[k + 1], times[k], times[k + 1], mb.log_probs[k],
-                advantages, None if ref_v is None else ref_v[k],
+                advantages, None if ref_v is None else ref_v[k], mb.velocities[k] if g.ratio_norm else None,
+                weights.get(k, 1.0),
             )
-            loss, st = step_loss(v, record, kind, self.sampling.noise_level, g.clip_range, g.kl_beta,
-                                 self.sampling.cps_log_prob, g.kl_convention)
+            loss, st = step_loss(v, record, kind, s.noise_level, g.clip_range, g.kl_beta, s.cps_log_prob,
+                                 g.kl_convention, g.ratio_norm, g.ratio_reweight)
             stats.append((k, st))
             if samples is not None:
                 self.guard.check_loss(samples, loss)
@@ -198,6 +203,8 @@ class Updater:
         (:func:`~jagg_lightning.passes.pass_plan`); each sample's loss is scaled by 1 / (update_size * trained steps).
         ``first_update``: theta is still the rollout's theta_old (:meth:`engine_pass`). ``samples``: ``mb``'s rows of
         the rollout (the guard's loss check)."""
+        if self.row_steps is not None and samples is not None:  # group draws: each sample's pass at its own step
+            return self.backward_by_step(mb, advantages, cond, update_size, plan, first_update, stats, backward, samples)
         size, split_anchors = pass_plan(advantages.shape[0], windows, self.memory, self.sampler.activation_bytes)
         records = []
         for start in range(0, advantages.shape[0], size):
@@ -205,6 +212,18 @@ class Updater:
             records += self.engine_pass(mb.select(rows), advantages[rows], batch_slice(cond, rows), update_size, plan,
                                         windows, first_update, stats, split_anchors, backward,
                                         samples=None if samples is None else samples[rows])
+        return records
+
+    def backward_by_step(self, mb: Trajectory, advantages: Tensor, cond: tuple, update_size: int, plan: RolloutPlan,
+                         first_update: bool, stats: list, backward, samples: Tensor) -> list[WindowRecord]:
+        """``sampling.sde_window_draw: group``: the micro-batch's samples grouped by their drawn step, one exact pass per
+        step on its rows (each sample's loss still 1 / (update_size x its one trained step))."""
+        steps, records = self.row_steps.to(samples.device)[samples], []
+        for k in sorted(set(steps.tolist())):
+            rows = (steps == k).nonzero().flatten()
+            window = next(w for w in plan.windows if w.steps == (k,))
+            records += self.engine_pass(mb.select(rows), advantages[rows], batch_slice(cond, rows), update_size, plan,
+                                        [window], first_update, stats, False, backward, samples=samples[rows])
         return records
 
     def engine_pass(self, mb: Trajectory, advantages: Tensor, cond: tuple, update_size: int, plan: RolloutPlan,
@@ -217,7 +236,7 @@ class Updater:
         (ratio exactly 1); its two anchors still share ONE backward unless ``split_anchors``."""
         interior_cache = mb.velocities if first_update and self.jagg.cache_interior else None
         batch_anchors = not first_update
-        scale = advantages.shape[0] / (update_size * len(plan.trained_steps))
+        scale = advantages.shape[0] / (update_size * plan.steps_per_sample)
         loss_of_step = self.step_loss_fn(mb, advantages, mb.ref_velocities, scale, stats, samples)
         return accumulate_gradients(
             self.sampler.velocity, mb.latents, mb.times, cond, loss_of_step, windows, cached_velocities=interior_cache,
@@ -270,7 +289,11 @@ class Updater:
         cond = self.sampler.encode(prompts)
         graph_steps = fused_graph_steps(plan.windows, self.jagg, self.memory) if fused else set()
         graph_samples = fused_samples(len(graph_steps), self.memory, self.sampler.activation_bytes) if fused else None
-        rollout = self.sampler.rollout(cond, indices, step, plan.step_kinds, sorted(taken), graph_steps, graph_samples)
+        # Flash-GRPO's iso-temporal groups (sampling.sde_window_draw: group): each sample at its prompt's own step
+        self.row_steps = None if self.sampling.sde_window_draw != "group" else torch.tensor(
+            group_steps(self.sampling, step, indices)).repeat_interleave(self.sampling.group_size)
+        rollout = self.sampler.rollout(cond, indices, step, plan.step_kinds, sorted(taken), graph_steps, graph_samples,
+                                       None if self.row_steps is None else self.row_steps.tolist())
         sample_prompts = [p for p in prompts for _ in range(self.sampling.group_size)]
         report = StepReport(cond)
         self.guard.start_rollout(indices, self.sampler.device)

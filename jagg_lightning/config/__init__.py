@@ -20,6 +20,7 @@ from jagg_lightning.config.jagg import JAGGConfig
 from jagg_lightning.config.memory import ANCHOR_PASSES, MemoryConfig
 from jagg_lightning.config.policy import PolicyConfig, check_resolution_field, image_size
 from jagg_lightning.config.sampling import SamplingConfig
+from jagg_lightning.grpo import check_variants
 
 __all__ = ["ANCHOR_PASSES", "EvalConfig", "GRPOConfig", "JAGGConfig", "MemoryConfig", "PolicyConfig", "SamplingConfig",
            "as_config", "check_fused", "check_resolution_field", "check_sections", "image_size"]
@@ -28,10 +29,15 @@ __all__ = ["ANCHOR_PASSES", "EvalConfig", "GRPOConfig", "JAGGConfig", "MemoryCon
 def check_sections(sampling: SamplingConfig, grpo: GRPOConfig, jagg: JAGGConfig) -> None:
     """The checks that span sections (each section checks its own fields when built)."""
     trained_name = "sampling.sde_window_size" if sampling.sde_window_size is not None else "sampling.trained_steps"
-    check(jagg.window_size <= sampling.num_trained, "jagg.window_size",
-          f"<= {trained_name} ({sampling.num_trained})", jagg.window_size)
+    check(jagg.window_size <= sampling.num_trained or sampling.num_trained == 1, "jagg.window_size",
+          f"<= {trained_name} ({sampling.num_trained})", jagg.window_size)  # 1 step: its own exact window
     if jagg.fused_rollout:
         check_fused(sampling, grpo)
+    check_variants(grpo, sampling.step_kind, sampling.cps_log_prob)
+    if sampling.sde_window_draw == "group":  # per-row trained steps: the unfused update groups rows by their step
+        why = "with sampling.sde_window_draw 'group' (each group trains its own step)"
+        check(not jagg.fused_rollout, "jagg.fused_rollout", f"false {why}", jagg.fused_rollout)
+        check(grpo.kl_beta == 0, "grpo.kl_beta", f"0 {why}: the KL reference is taken per rollout step", grpo.kl_beta)
 
 
 def check_fused(s: SamplingConfig, g: GRPOConfig) -> None:

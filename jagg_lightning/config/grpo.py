@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from jagg_lightning.checks import check, check_ints
-from jagg_lightning.grpo import KL_CONVENTIONS, MULTI_REWARD
+from jagg_lightning.grpo import KL_CONVENTIONS, MULTI_REWARD, check_variant_fields
 
 
 @dataclass
@@ -49,6 +49,12 @@ class GRPOConfig:
             skipped (weights, optimizer, EMA and scheduler untouched; `train/skipped_nonfinite` counts it); this
             many skipped in a row stop the run, naming where the first appeared; an integer >= 1 (1: stop at the
             first; `jagg_lightning.nonfinite`).
+        ratio_norm: GRPO-Guard's RatioNorm (arXiv 2510.22319): the clipped ratio is exp((log rho + b) s), b the
+            sample's mean |mu_theta - mu_old|^2 / (2 s^2), s the step's std (per sample; no extra forward); not
+            with the CPS squared-error log-prob.
+        ratio_reweight: GRPO-Guard's gradient reweighting: each step's policy term times 1 / (-dt).
+        temporal_rectification: Flash-GRPO's temporal gradient rectification (arXiv 2605.15980): step k's policy
+            term times (1 / c_k) / mean_j(1 / c_j), c_k the step's log-prob gradient scale.
     """
 
     clip_range: float = 1e-4
@@ -65,6 +71,9 @@ class GRPOConfig:
     skip_zero_advantage: bool = True
     multi_reward: Literal["weighted_sum", "per_reward"] = "weighted_sum"
     max_nonfinite_in_a_row: int = 10
+    ratio_norm: bool = False
+    ratio_reweight: bool = False
+    temporal_rectification: bool = False
 
     def __post_init__(self):
         check_ints(self, "grpo", "inner_epochs", "train_batch_size", "micro_batches_per_update", "std_ddof",
@@ -86,3 +95,4 @@ class GRPOConfig:
               ">= 1 (skipped non-finite updates in a row that stop the run; 1: the first)", self.max_nonfinite_in_a_row)
         check(self.multi_reward in MULTI_REWARD, "grpo.multi_reward", "'weighted_sum' (normalise the weighted sum of "
               "the rewards) or 'per_reward' (normalise each reward, then sum the weighted advantages)", self.multi_reward)
+        check_variant_fields(self)

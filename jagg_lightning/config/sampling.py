@@ -8,6 +8,7 @@ from typing import Literal
 from jagg_lightning.checks import check, check_ints, one_of
 from jagg_lightning.ode_solvers import check_ode_tail
 from jagg_lightning.sde import CPS_LOG_PROBS, STEP_KINDS, TRAINABLE_STEP_KINDS
+from jagg_lightning.sde_window import check_sde_window
 
 
 @dataclass
@@ -56,6 +57,9 @@ class SamplingConfig:
             CFG-free (Flow-GRPO's CFG-free training; evaluation keeps `evaluation.guidance_scale`).
         window_fraction: Deprecated: use `jagg.window_fraction` (a value given moves there, with a deprecation
             line).
+        sde_window_draw: `rollout` (one window start per rollout for every sample) or `group` (with
+            `sde_window_size` 1 and the `random` schedule, each prompt draws its own step from (seed, global step,
+            prompt index): Flash-GRPO's iso-temporal groups; unfused only, `grpo.kl_beta` 0).
     """
 
     num_steps: int = 10
@@ -77,6 +81,7 @@ class SamplingConfig:
     sde_window_stride: int = 1
     train_guidance_scale: float | None = None
     window_fraction: float | None = None  # deprecated: jagg.window_fraction
+    sde_window_draw: Literal["rollout", "group"] = "rollout"
 
     def __post_init__(self):
         check_ints(self, "sampling", "num_steps", "group_size", "rollout_batch_size", "trained_steps", "seed",
@@ -100,32 +105,8 @@ class SamplingConfig:
               "in (0, 1] (deprecated: jagg.window_fraction)", self.window_fraction)
         check(self.train_guidance_scale is None or self.train_guidance_scale >= 1.0, "sampling.train_guidance_scale",
               ">= 1.0 (1.0 = no guidance) or null", self.train_guidance_scale)
-        self._check_sde_window()
+        check_sde_window(self)
         check_ode_tail(self)
-
-    def _check_sde_window(self) -> None:
-        if self.sde_window_size is None:
-            check(self.sde_window_range is None, "sampling.sde_window_range", "null without sampling.sde_window_size",
-                  self.sde_window_range)
-            return
-        check(self.sde_window_size >= 1, "sampling.sde_window_size", ">= 1 or null", self.sde_window_size)
-        check(self.trained_steps is None, "sampling.trained_steps", "null with sampling.sde_window_size (the window "
-              "is what is trained)", self.trained_steps)
-        if self.sde_window_range is None:
-            self.sde_window_range = [0, self.num_steps - 1]
-        into_zero = STEP_KINDS[self.step_kind].deterministic_into_zero
-        last = self.num_steps - 1 if into_zero else self.num_steps
-        ok = len(self.sde_window_range) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                      for x in self.sde_window_range)
-        ok = ok and 0 <= self.sde_window_range[0]
-        ok = ok and self.sde_window_range[1] <= last and self.sde_window_range[1] - self.sde_window_range[0] >= self.sde_window_size
-        check(ok, "sampling.sde_window_range", f"[lo, hi] (integers) with 0 <= lo, hi <= {last} (num_steps"
-              f"{f' - 1: a {self.step_kind} step into t = 0 is deterministic' if into_zero else ''}) and "
-              f"hi - lo >= sde_window_size={self.sde_window_size}", self.sde_window_range)
-        check(self.sde_window_schedule in ("random", "progressive"), "sampling.sde_window_schedule",
-              "'random' or 'progressive'", self.sde_window_schedule)
-        check(self.sde_window_shift_every >= 1, "sampling.sde_window_shift_every", ">= 1", self.sde_window_shift_every)
-        check(self.sde_window_stride >= 1, "sampling.sde_window_stride", ">= 1", self.sde_window_stride)
 
     @property
     def num_trained(self) -> int:

@@ -62,6 +62,15 @@ REFERENCE = {
     # the paper's regime (issue 29): every step trained, W = 5 ("5 -> 2 backward per group")
     "digits_all_steps.yaml": {"family": "sd3", "num_steps": 10, "noise_level": 0.7, "lora_rank": 8, "lora_alpha": 16,
                               "guidance_scale": 1.0, "kl_beta": 0.0, "window_size": 5},
+    # Flash-GRPO (the authors' wan2_1_flash recipe's method numbers) and GRPO-Guard (Flow-GRPO's run + its two switches)
+    "digits_flash_grpo.yaml": {"num_steps": 10, "sde_window_size": 1, "sde_window_range": [0, 5], "clip_range": 1e-3,
+                               "kl_beta": 0.0, "adv_std": "global", "temporal_rectification": True},
+    "sd35_medium_flash_grpo.yaml": {"family": "sd3", "num_steps": 20, "sde_window_size": 1, "sde_window_range": [0, 10],
+                                    "clip_range": 1e-3, "kl_beta": 0.0, "adv_std": "global", "group_size": 4,
+                                    "guidance_scale": 4.5, "temporal_rectification": True},
+    "digits_grpo_guard.yaml": {"window_size": 5, "ratio_norm": True, "ratio_reweight": True},
+    "sd35_medium_grpo_guard.yaml": {"family": "sd3", "num_steps": 10, "noise_level": 0.7, "kl_beta": 0.04,
+                                    "clip_range": 2e-6, "ratio_norm": True, "ratio_reweight": True},
     "z_image_turbo.yaml": {"family": "z_image", "num_steps": 6, "guidance_scale": 1.0, "eval_guidance_scale": 1.0,
                            "noise_level": 0.7, "sde_window_size": 3, "sde_window_range": [1, 4], "window_size": 3},
 }
@@ -103,5 +112,7 @@ def test_preset_builds_everything_but_the_weights(preset, monkeypatch, tmp_path)
              "window_size": module.jagg.window_size, "train_guidance_scale": module.sampling.train_guidance_scale,
              "eval_guidance_scale": module.evaluation.guidance_scale, "step_kind": module.sampling.step_kind,
              "sde_window_size": module.sampling.sde_window_size, "sde_window_range": module.sampling.sde_window_range,
-             "clip_range": module.grpo.clip_range, "adv_std": module.grpo.adv_std, "group_size": module.sampling.group_size}
+             "clip_range": module.grpo.clip_range, "adv_std": module.grpo.adv_std, "group_size": module.sampling.group_size,
+             "ratio_norm": module.grpo.ratio_norm, "ratio_reweight": module.grpo.ratio_reweight,
+             "temporal_rectification": module.grpo.temporal_rectification}
     assert {k: found[k] for k in expected} == expected
