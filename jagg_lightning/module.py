@@ -39,6 +39,8 @@ from jagg_lightning.grids import weights_label
 from jagg_lightning.images import log_dir, write_image
 from jagg_lightning.jagg import Window, WindowGradientCheck, WindowRecord
 from jagg_lightning.metrics import EvalSums, FirstUpdateRatioCheck, train_metrics
+from jagg_lightning.objective_config import ObjectiveConfig
+from jagg_lightning.objectives import build_objective
 from jagg_lightning.old_keys import move_old_keys, resolve_seeds
 from jagg_lightning.policies import Policy, PolicyConfig, build_policy, policy_class
 from jagg_lightning.policy_checks import check_policy
@@ -47,7 +49,7 @@ from jagg_lightning.rewards import Reward, build_reward, describe_reward
 from jagg_lightning.rollout import RolloutBatch, RolloutPlan, plan_rollout
 from jagg_lightning.sampler import EVAL_STEP, Sampler
 from jagg_lightning.strategies import shard_policy
-from jagg_lightning.update import StepReport, UpdateHooks, Updater
+from jagg_lightning.update import StepReport, UpdateHooks
 
 __all__ = ["JAGGModule"]
 
@@ -83,16 +85,13 @@ def _to_arguments(args: tuple, kwargs: dict) -> tuple:
 
 
 class JAGGModule(L.LightningModule):
-    """GRPO with JAGG window gradients on a LoRA-adapted flow-matching transformer (manual optimization).
-
-    Drop it into any ``Trainer``: ``Trainer(max_steps=...).fit(JAGGModule(...), PromptDataModule(...))``.
+    """GRPO with JAGG window gradients (or another ``objective``) on a LoRA-adapted flow-matching transformer (manual
+    optimization). Drop it into any ``Trainer``: ``Trainer(max_steps=...).fit(JAGGModule(...), PromptDataModule(...))``.
     ``__init__`` only validates; the policy (``policies/``, any supported family) and the parts that work on it
-    (:attr:`sampler`, :attr:`updater`) are built in :meth:`configure_model`, which the Trainer and
-    ``load_from_checkpoint`` call (call it yourself to use ``module.policy`` outside a Trainer).
-
-    Checkpoints hold only the trainable LoRA weights (plus optimizer, scheduler, EMA and RNG states,
-    and Lightning's counters); the frozen weights are rebuilt from ``policy`` on load.
-    """
+    (:attr:`sampler`, :attr:`updater`: the objective's) are built in :meth:`configure_model`, which the Trainer and
+    ``load_from_checkpoint`` call (call it yourself to use ``module.policy`` outside a Trainer). Checkpoints hold only
+    the trainable LoRA weights (plus optimizer, scheduler, EMA, RNG and objective states, and Lightning's counters);
+    the frozen weights are rebuilt from ``policy`` on load."""
 
     strict_loading = False  # checkpoints carry only the LoRA weights
 
@@ -111,6 +110,7 @@ class JAGGModule(L.LightningModule):
         evaluation: EvalConfig = EvalConfig(),
         memory: MemoryConfig = MemoryConfig(),
         seed: int = 0,
+        objective: ObjectiveConfig = ObjectiveConfig(),
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -123,6 +123,7 @@ class JAGGModule(L.LightningModule):
         # Everything that can be checked is checked before any model is built.
         move_old_keys(self.policy_config, self.sampling, self.jagg, self.memory)  # one deprecation line each
         check_sections(self.sampling, self.grpo, self.jagg)
+        self.objective = build_objective(as_config(ObjectiveConfig, objective), self.sampling, self.grpo, self.jagg)
         check_policy(self.policy_config)  # the family registry and the files the policy config names
         optimizer = state.rebuild_callable("optimizer", optimizer) or default_optimizer
         lr_scheduler = state.rebuild_callable("lr_scheduler", lr_scheduler)
@@ -138,7 +139,8 @@ class JAGGModule(L.LightningModule):
                 "policy": self.policy_config, "sampling": self.sampling, "grpo": self.grpo, "jagg": self.jagg,
                 "reward": describe_reward(self.reward_fn), "optimizer": state.describe_callable(optimizer, default_optimizer),
                 "lr_scheduler": state.describe_callable(lr_scheduler, None), "ema_decay": ema_decay,
-                "reward_workers": reward_workers, "evaluation": self.evaluation, "memory": self.memory, "seed": seed}))
+                "reward_workers": reward_workers, "evaluation": self.evaluation, "memory": self.memory, "seed": seed,
+                "objective": self.objective.config}))
         # every stream's seed from the root (after the hyper-parameters: they keep what was given)
         resolve_seeds(seed, self.policy_config, self.sampling, self.evaluation)
         self.seed = seed
@@ -184,7 +186,7 @@ class JAGGModule(L.LightningModule):
                 self.policy.enable_gradient_checkpointing()
             compile_policy(self.policy)  # policy.compile: the repeated blocks, after the LoRA and reference copies
             self.sampler = Sampler(self.policy, self.sampling, self.grpo.kl_beta, self.reward_workers)
-            self.updater = Updater(self.policy, self.sampling, self.grpo, self.jagg, self.memory, self.sampler)
+            self.updater = self.objective.updater(self.policy, self.sampling, self.grpo, self.jagg, self.memory, self.sampler)
         context = getattr(self._trainer.strategy, "context_parallel", None) if self._trainer is not None else None
         if context is not None:  # diffusers' context parallelism on every network that runs (before FSDP2 wraps them)
             context.apply(self.policy.sharded_networks() + reference_networks(self.policy), self.policy.family)
@@ -270,9 +272,8 @@ class JAGGModule(L.LightningModule):
         self.first_update_ratio_deviation, self.first_update_ratio_off = self.ratio_check.deviation, self.ratio_check.off
         if warning:
             rank_zero_warn(warning)
-        # what exact GRPO makes of each pass kind (callbacks read it: records alone cannot tell micro-batches
-        # from the parts a memory budget or fused_samples splits them into)
-        self.exact_backwards = len(self.plan.trained_steps) * report.micro_batches
+        # backwards the objective makes without JAGG, counted by it (records cannot tell micro-batches from parts)
+        self.exact_backwards = report.exact_backwards
         values = train_metrics(report, self.windows, self.ratio_check, self.exact_backwards,
                                collectives.gradient_all_reduces, self.updater.guard.skipped)
         rewards = report.rewards
@@ -364,8 +365,9 @@ class JAGGModule(L.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         if "hyper_parameters" in checkpoint:  # plain data only, so weights_only=True can load it
             checkpoint["hyper_parameters"] = state.plain(dict(checkpoint["hyper_parameters"]))
-        checkpoint["jagg"] = state.jagg_section(self.policy, self.ema, self.rollouts_done, self._step_rng)
-        checkpoint["jagg"]["nonfinite"] = self.updater.guard.state_dict()  # the running count of skipped updates
+        checkpoint["jagg"] = state.jagg_section(self.policy, self.ema, self.rollouts_done, self._step_rng) | {
+            "nonfinite": self.updater.guard.state_dict(),  # the running count of skipped updates
+            "objective": self.updater.objective_state()}  # e.g. DiffusionNFT's theta_old
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         try:  # the path the Trainer loads, for the error that names it (load_from_checkpoint: no Trainer)
@@ -377,6 +379,7 @@ class JAGGModule(L.LightningModule):
         extra = checkpoint.get("jagg", {})
         self.rollouts_done = int(extra.get("rollouts", checkpoint.get("global_step", 0)))
         self.updater.guard.load_state_dict(extra.get("nonfinite", {}))
+        self.updater.load_objective_state(extra.get("objective", {}))
         if self.ema is not None and extra.get("ema") is not None:
             self.ema.load_state_dict(extra["ema"])
             self._ema_restored = True

@@ -63,6 +63,7 @@ class StepReport:
     micro_batches: int = 0  # training micro-batches over all updates (exact GRPO's backward count per step)
     skipped_samples: int = 0  # zero-advantage samples given no pass
     reference_forwards: int = 0  # adapter-off forwards of the step (rollout and completed reference)
+    exact_backwards: int = 0  # backwards the objective makes without JAGG (GRPO: trained steps x micro-batches)
     _rewards: list[Tensor] = field(default_factory=list)
     _components: list[dict[str, Tensor]] = field(default_factory=list)
     _advantages: list[Tensor] = field(default_factory=list)
@@ -103,6 +104,13 @@ class Updater:
         self.estimator = build_estimator(jagg)  # a routed window's draws and fold weights (estimators/)
         # the non-finite checks of every update (nonfinite.py); the optimizer step decides on them
         self.guard = NonFiniteGuard(grpo.max_nonfinite_in_a_row, sampling.group_size)
+
+    def objective_state(self) -> dict:
+        """What the objective keeps beyond the weights, for the checkpoint (GRPO: nothing)."""
+        return {}
+
+    def load_objective_state(self, state: dict) -> None:
+        """Restore :meth:`objective_state` (GRPO: nothing to restore)."""
 
     def advantages(self, rewards: Tensor, collectives: Collectives | None = None) -> Tensor:
         """Group advantages of rewards [N] laid out prompt-major (``grpo`` settings; global std over all processes)."""
@@ -298,6 +306,7 @@ class Updater:
         else:
             hooks.safe_point("the rollout's end, before the update")
             self.update_rollout(report, plan, taken, step, reward, hooks)
+        report.exact_backwards = len(plan.trained_steps) * report.micro_batches
         return report
 
     def fused_backward(self, sampled: SampledMicroBatch, cond: tuple, advantages: Tensor, num: int, plan: RolloutPlan,

@@ -1,0 +1,87 @@
+"""The ``objective`` config section: what a scored rollout becomes as a loss (``jagg_lightning/objectives/``).
+
+``name``: "grpo" (the default: the clipped-ratio policy gradient over the SDE steps, ``grpo`` / ``jagg`` sections), or
+a forward-process objective that trains on the rollout's clean samples x0 at sampled noise levels t,
+z_t = (1 - t) x0 + t eps, with no log-probs: "nft" (DiffusionNFT, arXiv 2509.16117) or "awm" (Advantage Weighted
+Matching, arXiv 2509.25050). docs/method.md has the math, docs/configuration.md every field and its source.
+
+Plain data and its own checks (no I/O, no torch): a bad value fails before any model is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from jagg_lightning.checks import check, one_of
+
+OBJECTIVE_NAMES = ("grpo", "nft", "awm")
+LEVEL_DISTRIBUTIONS = ("schedule", "uniform", "logit_normal")
+AWM_WEIGHTINGS = ("uniform", "t", "t2")
+NFT_DECAY_TYPES = (0, 1, 2)
+
+
+@dataclass
+class ObjectiveConfig:
+    """Which objective trains, and the forward-process objectives' hyper-parameters (ignored by "grpo").
+
+    Noise levels (both forward-process objectives): ``num_levels`` K per sample (null: int(0.99 num_steps), the
+    DiffusionNFT code's ``train.timestep_fraction`` 0.99 of ``sample.num_steps``); ``levels``: "schedule" (K distinct
+    times of the rollout's own schedule t_0 .. t_{S-1}, as the DiffusionNFT code), "uniform" or "logit_normal" (t =
+    sigmoid(N(0, 1)), SD3's pretraining density), both then shifted by ``level_shift`` (t <- s t / (1 + (s - 1) t));
+    the K levels are drawn per update, shared by its samples. ``shared_noise``: one eps per sample for all its
+    levels (z_t on one straight line; needed by ``jagg``) instead of a fresh eps per level (the papers' code).
+    ``jagg``: the K levels of a sample form one JAGG window (docs/method.md "JAGG beyond GRPO"): two grad forwards
+    at the extreme levels, the interiors by no-grad forwards, ONE joint backward instead of K.
+    ``kl_beta``: weight of mean (v_theta - v_ref)^2 (adapter off); null: the paper's (NFT 1e-4, AWM 0).
+
+    DiffusionNFT: ``nft_beta`` (the implicit policies' beta, config/nft.py ``config.beta`` 1.0), ``nft_adv_clip``
+    (``train.adv_clip_max`` 5: the advantage clip that maps A to the optimality probability r), ``nft_decay_type``
+    (the soft update of theta_old after each step: 0 copies theta, 1 min(0.001 step, 0.5), 2 0 for 75 steps then
+    min(0.0075 (step - 75), 0.999); config/nft.py 1, its OCR preset 2).
+
+    AWM: ``awm_weighting`` w(t) of the matching loss ("uniform", "t", "t2").
+    """
+
+    name: Literal["grpo", "nft", "awm"] = "grpo"
+    num_levels: int | None = None
+    levels: Literal["schedule", "uniform", "logit_normal"] = "schedule"
+    level_shift: float = 1.0
+    shared_noise: bool = False
+    jagg: bool = False
+    kl_beta: float | None = None
+    nft_beta: float = 1.0
+    nft_adv_clip: float = 5.0
+    nft_decay_type: int = 1
+    awm_weighting: Literal["uniform", "t", "t2"] = "uniform"
+
+    def __post_init__(self):
+        check(self.name in OBJECTIVE_NAMES, "objective.name", one_of(OBJECTIVE_NAMES), self.name)
+        check(self.num_levels is None or (isinstance(self.num_levels, int) and self.num_levels >= 1),
+              "objective.num_levels", "an integer >= 1 or null", self.num_levels)
+        check(self.levels in LEVEL_DISTRIBUTIONS, "objective.levels", one_of(LEVEL_DISTRIBUTIONS), self.levels)
+        check(self.level_shift > 0, "objective.level_shift", "> 0", self.level_shift)
+        check(self.kl_beta is None or self.kl_beta >= 0, "objective.kl_beta", ">= 0 or null", self.kl_beta)
+        check(0 < self.nft_beta <= 1, "objective.nft_beta", "in (0, 1]", self.nft_beta)
+        check(self.nft_adv_clip > 0, "objective.nft_adv_clip", "> 0", self.nft_adv_clip)
+        check(self.nft_decay_type in NFT_DECAY_TYPES, "objective.nft_decay_type", one_of(NFT_DECAY_TYPES),
+              self.nft_decay_type)
+        check(self.awm_weighting in AWM_WEIGHTINGS, "objective.awm_weighting", one_of(AWM_WEIGHTINGS),
+              self.awm_weighting)
+        check(not self.jagg or self.shared_noise, "objective.jagg",
+              "false unless objective.shared_noise is true (JAGG needs every level of a sample on one line "
+              "z_t = (1 - t) x0 + t eps, so one eps per sample)", self.jagg)
+
+    def levels_for(self, num_steps: int) -> int:
+        """K: ``num_levels``, or int(0.99 num_steps) (at least 1)."""
+        return self.num_levels if self.num_levels is not None else max(1, int(0.99 * num_steps))
+
+    def check_sections(self, num_steps: int) -> None:
+        """Checks across sections: the "schedule" levels are distinct times of the rollout's schedule."""
+        if self.name != "grpo" and self.levels == "schedule":
+            check(self.levels_for(num_steps) <= num_steps, "objective.num_levels",
+                  f"<= sampling.num_steps={num_steps} with objective.levels 'schedule' (distinct schedule times)",
+                  self.num_levels)
+        if self.jagg:
+            check(self.levels_for(num_steps) >= 3, "objective.num_levels",
+                  ">= 3 with objective.jagg (a window of 2 levels is already exact)", self.levels_for(num_steps))
