@@ -17,7 +17,7 @@ from jagg_lightning.checks import check, one_of
 
 OBJECTIVE_NAMES = ("grpo", "nft", "awm")
 LEVEL_DISTRIBUTIONS = ("schedule", "uniform", "logit_normal")
-AWM_WEIGHTINGS = ("uniform", "t", "t2")
+AWM_WEIGHTINGS = ("uniform", "t", "t2", "ghuber")
 NFT_DECAY_TYPES = (0, 1, 2)
 
 
@@ -40,7 +40,8 @@ class ObjectiveConfig:
     (the soft update of theta_old after each step: 0 copies theta, 1 min(0.001 step, 0.5), 2 0 for 75 steps then
     min(0.0075 (step - 75), 0.999); config/nft.py 1, its OCR preset 2).
 
-    AWM: ``awm_weighting`` w(t) of the matching loss ("uniform", "t", "t2").
+    AWM: ``awm_weighting`` w(t) of the matching loss ("uniform", "t", "t2"; "ghuber": t times the generalised Huber
+    error ((mse + 1e-10)^p - 1e-10^p) / p with p = ``awm_ghuber_power``, Flow-Factory's ``ghuber_power`` 0.25).
     """
 
     name: Literal["grpo", "nft", "awm"] = "grpo"
@@ -53,7 +54,8 @@ class ObjectiveConfig:
     nft_beta: float = 1.0
     nft_adv_clip: float = 5.0
     nft_decay_type: int = 1
-    awm_weighting: Literal["uniform", "t", "t2"] = "uniform"
+    awm_weighting: Literal["uniform", "t", "t2", "ghuber"] = "uniform"
+    awm_ghuber_power: float = 0.25
 
     def __post_init__(self):
         check(self.name in OBJECTIVE_NAMES, "objective.name", one_of(OBJECTIVE_NAMES), self.name)
@@ -66,6 +68,7 @@ class ObjectiveConfig:
         check(self.nft_adv_clip > 0, "objective.nft_adv_clip", "> 0", self.nft_adv_clip)
         check(self.nft_decay_type in NFT_DECAY_TYPES, "objective.nft_decay_type", one_of(NFT_DECAY_TYPES),
               self.nft_decay_type)
+        check(0 < self.awm_ghuber_power <= 1, "objective.awm_ghuber_power", "in (0, 1]", self.awm_ghuber_power)
         check(self.awm_weighting in AWM_WEIGHTINGS, "objective.awm_weighting", one_of(AWM_WEIGHTINGS),
               self.awm_weighting)
         check(not self.jagg or self.shared_noise, "objective.jagg",

@@ -9,6 +9,9 @@ objective with the score-matching surrogate of log pi), so per point
 
     l = A w(t) mean (v_theta(z, t) - (eps - x0))^2 + kl_beta mean (v_theta - v_ref)^2
 
+or with ``awm_weighting`` "ghuber" (the setting Flow-Factory's SD3.5 recipe uses to reproduce the paper's PickScore
+run) the generalised-Huber error t ((mse + 1e-10)^p - 1e-10^p) / p in place of w(t) mse
+
 (the transcription follows the paper's §3 loss as Flow-Factory's ``trainers/awm.py`` implements it, where the
 paper's equation numbers could not be checked offline; that code also wraps exp(log p - log p_old) in a PPO clip,
 whose gradient on the first update after a rollout -- ratio exactly 1 -- is this one: with one optimizer step per
@@ -25,8 +28,17 @@ from jagg_lightning.objectives.forward_process import ForwardProcessObjective, M
 
 
 def awm_weight(t: Tensor, weighting: str) -> Tensor:
-    """w(t): 1, t or t^2."""
-    return {"uniform": t * 0 + 1, "t": t, "t2": t * t}[weighting]
+    """w(t): 1, t or t^2 (and t for "ghuber")."""
+    return {"uniform": t * 0 + 1, "t": t, "t2": t * t, "ghuber": t}[weighting]
+
+
+def matching_error(mse: Tensor, weighting: str, power: float) -> Tensor:
+    """The per-sample matching error the weight multiplies: mse, or for "ghuber" the generalised Huber
+    ((mse + 1e-10)^p - 1e-10^p) / p (p = ``objective.awm_ghuber_power``)."""
+    if weighting != "ghuber":
+        return mse
+    eps = 1e-10
+    return ((mse + eps) ** power - eps**power) / power
 
 
 class AWMObjective(ForwardProcessObjective):
@@ -35,7 +47,9 @@ class AWMObjective(ForwardProcessObjective):
 
     def point_loss(self, v: Tensor, point: MatchingPoint) -> tuple[Tensor, StepLossStats]:
         target = point.eps - point.x0
-        matching = awm_weight(point.t, self.config.awm_weighting) * per_sample_mean((v - target) ** 2)
+        c = self.config
+        mse = per_sample_mean((v - target) ** 2)
+        matching = awm_weight(point.t, c.awm_weighting) * matching_error(mse, c.awm_weighting, c.awm_ghuber_power)
         policy = point.advantages.to(v.dtype) * matching
         kl = self.kl_term(v, point)
         return policy + self.kl_beta * kl, point_stats(policy, kl)

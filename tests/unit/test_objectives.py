@@ -26,8 +26,12 @@ def transcription(name, v, v_old, v_ref, x0, eps, z, t, adv, config):
     kl_beta = config.kl_beta if config.kl_beta is not None else {"nft": 1e-4, "awm": 0.0}[name]
     kl = mean((v - v_ref) ** 2)
     if name == "awm":
+        mse = mean((v - (eps - x0)) ** 2)
+        if config.awm_weighting == "ghuber":
+            p = config.awm_ghuber_power
+            return adv * t * (torch.pow(mse + 1e-10, p) - 1e-10**p) / p + kl_beta * kl
         w = {"uniform": 1.0, "t": t, "t2": t**2}[config.awm_weighting]
-        return adv * w * mean((v - (eps - x0)) ** 2) + kl_beta * kl
+        return adv * w * mse + kl_beta * kl
     beta, c = config.nft_beta, config.nft_adv_clip
     positive, negative = beta * v + (1 - beta) * v_old, (1 + beta) * v_old - beta * v
     losses = []
@@ -69,6 +73,7 @@ CASES = {  # (config, theta_old: "theta" -- v_old is v_theta detached, no forwar
     "nft beta 0.1, kl, lagging theta_old": (ObjectiveConfig(name="nft", nft_beta=0.1, kl_beta=0.05, nft_adv_clip=2.0),
                                             "lagging"),
     "awm": (ObjectiveConfig(name="awm"), "theta"),
+    "awm ghuber": (ObjectiveConfig(name="awm", awm_weighting="ghuber", awm_ghuber_power=0.3), "theta"),
     "awm t-weighted, kl, one eps": (ObjectiveConfig(name="awm", awm_weighting="t", kl_beta=0.3, shared_noise=True),
                                     "theta"),
 }
@@ -218,6 +223,7 @@ def test_noise_levels():
     ("nft_adv_clip", 0.0, "objective.nft_adv_clip"),
     ("nft_decay_type", 3, "objective.nft_decay_type"),
     ("awm_weighting", "t3", "objective.awm_weighting"),
+    ("awm_ghuber_power", 0.0, "objective.awm_ghuber_power"),
     ("jagg", True, "objective.shared_noise"),
 ])
 def test_bad_objective_fields_name_the_field(field, value, words):
