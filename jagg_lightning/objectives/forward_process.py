@@ -156,6 +156,7 @@ class ForwardProcessUpdater(Updater):
         self.objective, self.config = objective, objective.config
         self.old: OldPolicy | None = None  # made at the first step (after any sharding) from theta
         self._old_state: list[Tensor] | None = None  # a checkpoint's theta_old, loaded at the first step
+        self._old_matches = False
 
     # ------------------------------------------------------------------ theta_old and its checkpoint state
     def old_policy(self) -> OldPolicy | None:
@@ -166,17 +167,19 @@ class ForwardProcessUpdater(Updater):
             if self._old_state is not None:
                 for s, full in zip(self.old.shadow, self._old_state):
                     s.copy_(shard_like(full.to(s.device), s))
-                self.old.matches = False
+                self.old.matches = self._old_matches
         return self.old
 
     def objective_state(self) -> dict:
+        """theta_old (whole tensors: under FSDP2 every rank calls this) and whether it equals theta."""
         if self.old is None:
-            return {} if self._old_state is None else {"old_policy": self._old_state}
-        return {"old_policy": [full_tensor(s).clone() for s in self.old.shadow]}
+            return {} if self._old_state is None else {"old_policy": self._old_state, "old_matches": self._old_matches}
+        return {"old_policy": [full_tensor(s).clone() for s in self.old.shadow], "old_matches": self.old.matches}
 
     def load_objective_state(self, state: dict) -> None:
         if "old_policy" in state:
             self._old_state, self.old = [t.clone() for t in state["old_policy"]], None
+            self._old_matches = bool(state.get("old_matches", False))
 
     # ------------------------------------------------------------------ the step
     def step(self, prompts: list[str], indices: list[int], step: int, plan, reward, hooks: UpdateHooks) -> StepReport:
