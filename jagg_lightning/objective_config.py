@@ -32,7 +32,8 @@ class ObjectiveConfig:
     the K levels are drawn per update, shared by its samples. ``shared_noise``: one eps per sample for all its
     levels (z_t on one straight line; needed by ``jagg``) instead of a fresh eps per level (the papers' code).
     ``jagg``: the K levels of a sample form one JAGG window (docs/method.md "JAGG beyond GRPO"): two grad forwards
-    at the extreme levels, the interiors by no-grad forwards, ONE joint backward instead of K.
+    at the extreme levels, the interiors by no-grad forwards, ONE joint backward instead of K; ``jagg_window``: windows
+    of that many consecutive levels instead (null: one window of all K), each with its one backward.
     ``kl_beta``: weight of mean (v_theta - v_ref)^2 (adapter off); null: the paper's (NFT 1e-4, AWM 0).
 
     DiffusionNFT: ``nft_beta`` (the implicit policies' beta, config/nft.py ``config.beta`` 1.0), ``nft_adv_clip``
@@ -50,6 +51,7 @@ class ObjectiveConfig:
     level_shift: float = 1.0
     shared_noise: bool = False
     jagg: bool = False
+    jagg_window: int | None = None
     kl_beta: float | None = None
     nft_beta: float = 1.0
     nft_adv_clip: float = 5.0
@@ -63,6 +65,8 @@ class ObjectiveConfig:
               "objective.num_levels", "an integer >= 1 or null", self.num_levels)
         check(self.levels in LEVEL_DISTRIBUTIONS, "objective.levels", one_of(LEVEL_DISTRIBUTIONS), self.levels)
         check(self.level_shift > 0, "objective.level_shift", "> 0", self.level_shift)
+        check(self.jagg_window is None or (isinstance(self.jagg_window, int) and self.jagg_window >= 3),
+              "objective.jagg_window", "an integer >= 3 or null (all the levels in one window)", self.jagg_window)
         check(self.kl_beta is None or self.kl_beta >= 0, "objective.kl_beta", ">= 0 or null", self.kl_beta)
         check(0 < self.nft_beta <= 1, "objective.nft_beta", "in (0, 1]", self.nft_beta)
         check(self.nft_adv_clip > 0, "objective.nft_adv_clip", "> 0", self.nft_adv_clip)

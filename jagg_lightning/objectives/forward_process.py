@@ -31,7 +31,7 @@ from torch import Tensor
 
 from jagg_lightning.batching import batch_slice
 from jagg_lightning.grpo import StepLossStats
-from jagg_lightning.jagg import Window, WindowRecord, accumulate_gradients
+from jagg_lightning.jagg import Window, WindowRecord, accumulate_gradients, plan_windows
 from jagg_lightning.objectives.base import Objective
 from jagg_lightning.rollout import sample_generators, sample_seed
 from jagg_lightning.sharding import full_tensor, shard_like
@@ -247,7 +247,8 @@ class ForwardProcessUpdater(Updater):
     def backward_points(self, x0: Tensor, eps: Tensor, advantages: Tensor, cond, times: Tensor, update_size: int,
                         report: StepReport, backward, samples: Tensor, old: OldPolicy | None) -> list[WindowRecord]:
         """The K points of ``x0``'s samples through the engine: d/dtheta of (n / (update_size K)) mean_i sum_k l_ik,
-        into ``.grad``. ``old``: theta_old when it differs from theta (then one no-grad forward per level)."""
+        into ``.grad`` (one record per level window). ``old``: theta_old when it differs from theta (then one no-grad
+        forward per level)."""
         K = times.shape[0]
         t = times.to(x0.dtype).to(x0.device)
         shape = (K, *[1] * x0.dim())
@@ -272,11 +273,21 @@ class ForwardProcessUpdater(Updater):
             self.guard.check_loss(samples, loss)
             return loss.mean() * scale
 
-        window = Window(tuple(range(K)), routed=self.config.jagg and K > 2)
-        records = accumulate_gradients(self.sampler.velocity, latents, t, cond, loss_of_point, [window],
+        records = accumulate_gradients(self.sampler.velocity, latents, t, cond, loss_of_point, self.level_windows(K),
                                        backward=backward)
         records[0].nograd_forwards += forwards
         return records
+
+    def level_windows(self, K: int) -> list[Window]:
+        """The K levels (in decreasing t) as engine windows: one exact window; with ``objective.jagg`` routed windows of
+        ``objective.jagg_window`` consecutive levels (null: all K), a shorter tail exact."""
+        if not self.config.jagg or K <= 2:
+            return [Window(tuple(range(K)))]
+        size = min(self.config.jagg_window or K, K)
+        windows = plan_windows(list(range(K)), size)
+        for w in windows:
+            w.routed = len(w.steps) == size
+        return windows
 
     def check_windows(self, batch, plan, params, max_samples=None) -> list:
         return []  # the GRPO windows' check; the forward-process points have no SDE windows

@@ -9,7 +9,7 @@ import torch
 from jagg_lightning import GRPOConfig, JAGGConfig, MemoryConfig, ObjectiveConfig, SamplingConfig
 from jagg_lightning.jagg import Window, flat_gradient
 from jagg_lightning.objectives import OBJECTIVES, build_objective
-from jagg_lightning.objectives.forward_process import MatchingPoint, OldPolicy, noise_levels
+from jagg_lightning.objectives.forward_process import ForwardProcessUpdater, MatchingPoint, OldPolicy, noise_levels
 from jagg_lightning.objectives.nft import nft_decay
 from jagg_lightning.sampler import Sampler
 from jagg_lightning.update import StepReport
@@ -181,6 +181,19 @@ def test_jagg_over_noise_levels_makes_one_backward(tiny_sd3, rng_seed):
     assert counts[True] == (1, 1, 1, K - 2)  # the two extreme levels batched in one forward
 
 
+def test_level_windows():
+    """``objective.jagg_window``: routed windows of that many levels, a shorter tail exact; without jagg one exact
+    window of all K."""
+    updater = object.__new__(ForwardProcessUpdater)
+    updater.config = ObjectiveConfig(name="awm", shared_noise=True, jagg=True, jagg_window=3)
+    assert [(w.steps, w.routed) for w in updater.level_windows(8)] == [
+        ((0, 1, 2), True), ((3, 4, 5), True), ((6, 7), False)]
+    updater.config = ObjectiveConfig(name="awm", shared_noise=True, jagg=True)
+    assert [(w.steps, w.routed) for w in updater.level_windows(5)] == [((0, 1, 2, 3, 4), True)]
+    updater.config = ObjectiveConfig(name="awm")
+    assert [(w.steps, w.routed) for w in updater.level_windows(5)] == [((0, 1, 2, 3, 4), False)]
+
+
 def test_theta_old_soft_update_schedule():
     """DiffusionNFT's decay_type schedules, and theta_old <- d theta_old + (1 - d) theta (d = 0: a copy, and it then
     matches theta so the rollout needs no swap)."""
@@ -224,6 +237,7 @@ def test_noise_levels():
     ("nft_decay_type", 3, "objective.nft_decay_type"),
     ("awm_weighting", "t3", "objective.awm_weighting"),
     ("awm_ghuber_power", 0.0, "objective.awm_ghuber_power"),
+    ("jagg_window", 2, "objective.jagg_window"),
     ("jagg", True, "objective.shared_noise"),
 ])
 def test_bad_objective_fields_name_the_field(field, value, words):
