@@ -16,6 +16,7 @@ _PUBLIC = {
     "GRPOConfig": "jagg_lightning.config",
     "JAGGConfig": "jagg_lightning.config",
     "MemoryConfig": "jagg_lightning.config",
+    "ObjectiveConfig": "jagg_lightning.config",
     "PolicyConfig": "jagg_lightning.config",
     "SamplingConfig": "jagg_lightning.config",
     "PromptDataModule": "jagg_lightning.data",

@@ -45,6 +45,8 @@ from jagg_lightning.grids import weights_label
 from jagg_lightning.images import log_dir, write_image
 from jagg_lightning.jagg import Window, WindowGradientCheck, WindowRecord
 from jagg_lightning.metrics import EvalSums, FirstUpdateRatioCheck, train_metrics
+from jagg_lightning.config.objective import ObjectiveConfig
+from jagg_lightning.objectives import build_objective
 from jagg_lightning.old_keys import move_old_keys, resolve_seeds
 from jagg_lightning.policies import Policy, PolicyConfig, build_policy, policy_class
 from jagg_lightning.policy_checks import check_policy
@@ -54,7 +56,7 @@ from jagg_lightning.rollout import RolloutBatch, RolloutPlan, plan_rollout
 from jagg_lightning.routing import rounding_note
 from jagg_lightning.sampler import EVAL_STEP, Sampler
 from jagg_lightning.strategies import shard_policy
-from jagg_lightning.update import StepReport, UpdateHooks, Updater
+from jagg_lightning.update import StepReport, UpdateHooks
 
 __all__ = ["JAGGModule"]
 
@@ -99,6 +101,20 @@ def say_jagg_frac_rounding(module) -> None:
         print(note, flush=True)
 
 
+def _save_hyperparameters(module, optimizer, lr_scheduler, ema_decay, reward_workers, seed) -> None:
+    """The module's hyper-parameters: LightningCLI's own config when it built the module (plain data,
+    re-instantiable), else plain data only (yaml.safe_load, weights_only=True; the reward as class path + init args)."""
+    if _given_hyperparameters.get() is not None:
+        module.save_hyperparameters()
+        return
+    module.save_hyperparameters(state.plain({
+        "policy": module.policy_config, "sampling": module.sampling, "grpo": module.grpo, "jagg": module.jagg,
+        "reward": describe_reward(module.reward_fn), "optimizer": state.describe_callable(optimizer, default_optimizer),
+        "lr_scheduler": state.describe_callable(lr_scheduler, None), "ema_decay": ema_decay,
+        "reward_workers": reward_workers, "evaluation": module.evaluation, "memory": module.memory, "seed": seed,
+        "objective": module.objective.config}))
+
+
 class JAGGModule(L.LightningModule):
     """GRPO with JAGG window gradients on a LoRA-adapted flow-matching transformer (manual optimization).
 
@@ -129,6 +145,7 @@ class JAGGModule(L.LightningModule):
         evaluation: EvalConfig = EvalConfig(),
         memory: MemoryConfig = MemoryConfig(),
         seed: int = 0,
+        objective: ObjectiveConfig = ObjectiveConfig(),
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -141,6 +158,7 @@ class JAGGModule(L.LightningModule):
         # Everything that can be checked is checked before any model is built.
         move_old_keys(self.policy_config, self.sampling, self.jagg, self.memory)  # one deprecation line each
         check_sections(self.sampling, self.grpo, self.jagg)
+        self.objective = build_objective(as_config(ObjectiveConfig, objective), self.sampling, self.grpo, self.jagg)
         check_policy(self.policy_config)  # the family registry and the files the policy config names
         optimizer = state.rebuild_callable("optimizer", optimizer) or default_optimizer
         lr_scheduler = state.rebuild_callable("lr_scheduler", lr_scheduler)
@@ -149,14 +167,7 @@ class JAGGModule(L.LightningModule):
         check(reward_workers >= 0, "reward_workers", ">= 0 (0 scores in the training thread)", reward_workers)
         self.reward_workers = reward_workers
         self.reward_fn = build_reward(reward)
-        if _given_hyperparameters.get() is not None:
-            self.save_hyperparameters()  # LightningCLI hands over its own config: plain data, re-instantiable
-        else:  # plain data only (yaml.safe_load, weights_only=True); the reward as class path + init args
-            self.save_hyperparameters(state.plain({
-                "policy": self.policy_config, "sampling": self.sampling, "grpo": self.grpo, "jagg": self.jagg,
-                "reward": describe_reward(self.reward_fn), "optimizer": state.describe_callable(optimizer, default_optimizer),
-                "lr_scheduler": state.describe_callable(lr_scheduler, None), "ema_decay": ema_decay,
-                "reward_workers": reward_workers, "evaluation": self.evaluation, "memory": self.memory, "seed": seed}))
+        _save_hyperparameters(self, optimizer, lr_scheduler, ema_decay, reward_workers, seed)
         # every stream's seed from the root (after the hyper-parameters: they keep what was given)
         resolve_seeds(seed, self.policy_config, self.sampling, self.evaluation)
         self.seed = seed
@@ -202,7 +213,7 @@ class JAGGModule(L.LightningModule):
                 self.policy.enable_gradient_checkpointing()
             compile_policy(self.policy)  # policy.compile: the repeated blocks, after the LoRA and reference copies
             self.sampler = Sampler(self.policy, self.sampling, self.grpo.kl_beta, self.reward_workers)
-            self.updater = Updater(self.policy, self.sampling, self.grpo, self.jagg, self.memory, self.sampler)
+            self.updater = self.objective.updater(self.policy, self.sampling, self.grpo, self.jagg, self.memory, self.sampler)
         context = getattr(self._trainer.strategy, "context_parallel", None) if self._trainer is not None else None
         if context is not None:  # diffusers' context parallelism on every network that runs (before FSDP2 wraps them)
             context.apply(self.policy.sharded_networks() + reference_networks(self.policy), self.policy.family)
@@ -289,9 +300,8 @@ class JAGGModule(L.LightningModule):
         self.first_update_ratio_deviation, self.first_update_ratio_off = self.ratio_check.deviation, self.ratio_check.off
         if warning:
             rank_zero_warn(warning)
-        # what exact GRPO makes of each pass kind (callbacks read it: records alone cannot tell micro-batches
-        # from the parts a memory budget or fused_samples splits them into)
-        self.exact_backwards = self.plan.steps_per_sample * report.micro_batches
+        # backwards the objective makes without JAGG, counted by it (records cannot tell micro-batches from parts)
+        self.exact_backwards = report.exact_backwards
         values = train_metrics(report, self.windows, self.ratio_check, self.exact_backwards,
                                collectives.gradient_all_reduces, self.updater.guard.skipped, decodes)
         rewards = report.rewards
@@ -384,8 +394,9 @@ class JAGGModule(L.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         if "hyper_parameters" in checkpoint:  # plain data only, so weights_only=True can load it
             checkpoint["hyper_parameters"] = state.plain(dict(checkpoint["hyper_parameters"]))
-        checkpoint["jagg"] = state.jagg_section(self.policy, self.ema, self.rollouts_done, self._step_rng)
-        checkpoint["jagg"]["nonfinite"] = self.updater.guard.state_dict()  # the running count of skipped updates
+        checkpoint["jagg"] = state.jagg_section(self.policy, self.ema, self.rollouts_done, self._step_rng) | {
+            "nonfinite": self.updater.guard.state_dict(),  # the running count of skipped updates
+            "objective": self.updater.objective_state()}  # e.g. DiffusionNFT's theta_old
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         try:  # the path the Trainer loads, for the error that names it (load_from_checkpoint: no Trainer)
@@ -397,6 +408,7 @@ class JAGGModule(L.LightningModule):
         extra = checkpoint.get("jagg", {})
         self.rollouts_done = int(extra.get("rollouts", checkpoint.get("global_step", 0)))
         self.updater.guard.load_state_dict(extra.get("nonfinite", {}))
+        self.updater.load_objective_state(extra.get("objective", {}))
         if self.ema is not None and extra.get("ema") is not None:
             self.ema.load_state_dict(extra["ema"])
             self._ema_restored = True

@@ -63,6 +63,7 @@ class StepReport:
     micro_batches: int = 0  # training micro-batches over all updates (exact GRPO's backward count per step)
     skipped_samples: int = 0  # zero-advantage samples given no pass
     reference_forwards: int = 0  # adapter-off forwards of the step (rollout and completed reference)
+    exact_backwards: int = 0  # backwards the objective makes without JAGG (GRPO: trained steps x micro-batches)
     _rewards: list[Tensor] = field(default_factory=list)
     _components: list[dict[str, Tensor]] = field(default_factory=list)
     _advantages: list[Tensor] = field(default_factory=list)
@@ -104,6 +105,12 @@ class Updater:
         # the non-finite checks of every update (nonfinite.py); the optimizer step decides on them
         self.guard = NonFiniteGuard(grpo.max_nonfinite_in_a_row, sampling.group_size)
         self.row_steps: Tensor | None = None  # each sample's trained step, with sampling.sde_window_draw: group
+
+    def objective_state(self) -> dict:  # what the objective keeps beyond the weights, for the checkpoint (GRPO: none)
+        return {}
+
+    def load_objective_state(self, state: dict) -> None:  # restores objective_state (GRPO: nothing to restore)
+        pass
 
     def advantages(self, rewards: Tensor, collectives: Collectives | None = None) -> Tensor:
         """Group advantages of rewards [N] laid out prompt-major (``grpo`` settings; global std over all processes)."""
@@ -321,6 +328,7 @@ class Updater:
         else:
             hooks.safe_point("the rollout's end, before the update")
             self.update_rollout(report, plan, taken, step, reward, hooks)
+        report.exact_backwards = plan.steps_per_sample * report.micro_batches
         return report
 
     def fused_backward(self, sampled: SampledMicroBatch, cond: tuple, advantages: Tensor, num: int, plan: RolloutPlan,
@@ -328,10 +336,8 @@ class Updater:
         """ONE backward over the micro-batch's kept graphs, its interiors' g_k folded in from the recorded
         velocities (each sample's loss scaled by 1 / (``num`` * trained steps), as the unfused update); samples
         beyond the kept ones go through the unfused engine (interiors from the cache). All groups tied (zero
-        advantage, kl_beta 0): no backward, a zero gradient (its forwards were the rollout's). The kept graphs are
-        released once their backward ran, the unused ones too (a routed window's interiors, never backwarded): before
-        the other samples' passes and the next micro-batch's rollout (which this step's variables still reach it
-        through)."""
+        advantage, kl_beta 0): no backward, a zero gradient (its forwards were the rollout's). Its graphs, kept and
+        unused (a routed window's interiors), are released after the backward, before the next micro-batch samples."""
         mb, n, kept = sampled.part, advantages.shape[0], sampled.graph_rows
         samples = torch.arange(sampled.rows.start, sampled.rows.start + n, device=advantages.device)
         if self.grpo.skip_zero_advantage and self.grpo.kl_beta == 0 and not bool(advantages.any()):

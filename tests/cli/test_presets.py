@@ -71,6 +71,17 @@ REFERENCE = {
     "digits_grpo_guard.yaml": {"window_size": 5, "ratio_norm": True, "ratio_reweight": True},
     "sd35_medium_grpo_guard.yaml": {"family": "sd3", "num_steps": 10, "noise_level": 0.7, "kl_beta": 0.04,
                                     "clip_range": 2e-6, "ratio_norm": True, "ratio_reweight": True},
+    # the forward-process objectives (issue 41): the NFT code's config/nft.py and Flow-Factory's AWM SD3.5 recipe
+    "sd35_medium_nft.yaml": {"family": "sd3", "num_steps": 10, "lora_rank": 32, "lora_alpha": 64, "guidance_scale": 1.0,
+                             "group_size": 24, "objective": "nft", "num_levels": 9, "nft_beta": 1.0, "nft_decay_type": 1,
+                             "nft_adv_clip": 5.0, "objective_kl_beta": 1e-4, "ode_solver": "dpmpp_2m"},
+    "sd35_medium_awm.yaml": {"family": "sd3", "num_steps": 14, "lora_rank": 32, "lora_alpha": 64, "guidance_scale": 1.0,
+                             "group_size": 16, "objective": "awm", "num_levels": 6, "awm_weighting": "ghuber",
+                             "objective_kl_beta": 1e-4, "ode_solver": "euler"},
+    "digits_nft.yaml": {"family": "sd3", "num_steps": 10, "objective": "nft", "num_levels": 9, "nft_beta": 1.0,
+                        "objective_kl_beta": 0.0, "ode_solver": "dpmpp_2m"},
+    "digits_awm.yaml": {"family": "sd3", "num_steps": 10, "objective": "awm", "num_levels": 9,
+                        "awm_weighting": "uniform", "objective_kl_beta": 0.0},
     "z_image_turbo.yaml": {"family": "z_image", "num_steps": 6, "guidance_scale": 1.0, "eval_guidance_scale": 1.0,
                            "noise_level": 0.7, "sde_window_size": 3, "sde_window_range": [1, 4], "window_size": 3},
 }
@@ -114,5 +125,10 @@ def test_preset_builds_everything_but_the_weights(preset, monkeypatch, tmp_path)
              "sde_window_size": module.sampling.sde_window_size, "sde_window_range": module.sampling.sde_window_range,
              "clip_range": module.grpo.clip_range, "adv_std": module.grpo.adv_std, "group_size": module.sampling.group_size,
              "ratio_norm": module.grpo.ratio_norm, "ratio_reweight": module.grpo.ratio_reweight,
-             "temporal_rectification": module.grpo.temporal_rectification}
+             "temporal_rectification": module.grpo.temporal_rectification,
+
+"objective": module.objective.config.name, "num_levels": module.objective.config.num_levels,
+             "nft_beta": module.objective.config.nft_beta, "nft_decay_type": module.objective.config.nft_decay_type,
+             "nft_adv_clip": module.objective.config.nft_adv_clip, "awm_weighting": module.objective.config.awm_weighting,
+             "objective_kl_beta": module.objective.config.kl_beta, "ode_solver": module.sampling.ode_solver}
     assert {k: found[k] for k in expected} == expected

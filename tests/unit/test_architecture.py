@@ -10,7 +10,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "jagg_lightning"
 # the parts that are plain torch: they can be read, tested and reused without Lightning
-PLAIN = ["jagg", "routing", "sde", "ode_solvers", "grpo", "config", "checks", "dtypes", "old_keys", "rollout", "passes",
+PLAIN = ["jagg", "routing", "objectives", "sde", "ode_solvers", "grpo", "config", "checks", "dtypes", "old_keys", "rollout", "passes",
          "sampler", "update", "collectives", "metrics", "batching", "full_finetune", "reference", "export", "sharded_checkpoint",
          "estimators", "adapters", "grids", "policy_checks", "policies", "memory_plan.plan", "memory_plan.advice",
          "memory_plan.models", "memory_plan.trace", "memory_plan.shapes", "memory_plan.table"]

@@ -1,0 +1,97 @@
+"""``model.objective``: what a scored rollout becomes as a loss (`ObjectiveConfig`; the objectives themselves:
+`jagg_lightning.objectives`). Plain data and its own checks (no I/O, no torch): a bad value fails before any model is
+built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from jagg_lightning.checks import check, one_of
+
+OBJECTIVE_NAMES = ("grpo", "nft", "awm")
+LEVEL_DISTRIBUTIONS = ("schedule", "uniform", "logit_normal")
+AWM_WEIGHTINGS = ("uniform", "t", "t2", "ghuber")
+NFT_DECAY_TYPES = (0, 1, 2)
+
+
+@dataclass
+class ObjectiveConfig:
+    """Which objective trains, and the forward-process objectives' hyper-parameters (ignored by grpo).
+
+    DiffusionNFT and AWM train on the rollout's clean samples x0 at K noise levels t, z_t = (1 - t) x0 + t eps, with
+    no log-probs (docs/method.md section 10 has the math, docs/configuration.md every field's source).
+
+    Attributes:
+        name: `grpo` (the default: the clipped-ratio policy gradient over the SDE steps, the `grpo` / `jagg`
+            sections), `nft` (DiffusionNFT, arXiv 2509.16117) or `awm` (Advantage Weighted Matching, arXiv
+            2509.25050).
+        num_levels: K noise levels per sample, an integer >= 1; null = int(0.99 num_steps) (the DiffusionNFT code's
+            `train.timestep_fraction` 0.99).
+        levels: `schedule` (K distinct times of the rollout's own schedule, as the DiffusionNFT code), `uniform` or
+            `logit_normal` (t = sigmoid(N(0, 1)), SD3's pretraining density); drawn per update, shared by its samples.
+        level_shift: The shift s of `uniform` / `logit_normal` levels, t <- s t / (1 + (s - 1) t), > 0.
+        shared_noise: One eps per sample for all its levels (z_t on one straight line; needed by `jagg`) instead of a
+            fresh eps per level (the papers' code).
+        jagg: The K levels of a sample form one JAGG window: two grad forwards at the extreme levels, the interiors
+            by no-grad forwards, ONE joint backward instead of K; needs `shared_noise`.
+        jagg_window: With `jagg`: windows of this many consecutive levels, each with its one backward, an integer
+            >= 3; null = one window of all K.
+        kl_beta: The weight of mean (v_theta - v_ref)^2 (adapter off), >= 0; null = the paper's (NFT 1e-4, AWM 0).
+        nft_beta: DiffusionNFT's beta of the implicit policies, in (0, 1] (its config/nft.py: 1.0).
+        nft_adv_clip: DiffusionNFT's advantage clip C that maps A to the optimality probability r, > 0
+            (`train.adv_clip_max` 5).
+        nft_decay_type: The soft update of theta_old after each step: 0 copies theta, 1 min(0.001 step, 0.5), 2 0
+            for 75 steps then min(0.0075 (step - 75), 0.999) (config/nft.py 1, its OCR preset 2).
+        awm_weighting: AWM's w(t) of the matching loss: `uniform`, `t`, `t2`, or `ghuber` (t times the generalised
+            Huber error ((mse + 1e-10)^p - 1e-10^p) / p).
+        awm_ghuber_power: The p of `ghuber`, in (0, 1] (Flow-Factory's `ghuber_power` 0.25).
+    """
+
+    name: Literal["grpo", "nft", "awm"] = "grpo"
+    num_levels: int | None = None
+    levels: Literal["schedule", "uniform", "logit_normal"] = "schedule"
+    level_shift: float = 1.0
+    shared_noise: bool = False
+    jagg: bool = False
+    jagg_window: int | None = None
+    kl_beta: float | None = None
+    nft_beta: float = 1.0
+    nft_adv_clip: float = 5.0
+    nft_decay_type: int = 1
+    awm_weighting: Literal["uniform", "t", "t2", "ghuber"] = "uniform"
+    awm_ghuber_power: float = 0.25
+
+    def __post_init__(self):
+        check(self.name in OBJECTIVE_NAMES, "objective.name", one_of(OBJECTIVE_NAMES), self.name)
+        check(self.num_levels is None or (isinstance(self.num_levels, int) and self.num_levels >= 1),
+              "objective.num_levels", "an integer >= 1 or null", self.num_levels)
+        check(self.levels in LEVEL_DISTRIBUTIONS, "objective.levels", one_of(LEVEL_DISTRIBUTIONS), self.levels)
+        check(self.level_shift > 0, "objective.level_shift", "> 0", self.level_shift)
+        check(self.jagg_window is None or (isinstance(self.jagg_window, int) and self.jagg_window >= 3),
+              "objective.jagg_window", "an integer >= 3 or null (all the levels in one window)", self.jagg_window)
+        check(self.kl_beta is None or self.kl_beta >= 0, "objective.kl_beta", ">= 0 or null", self.kl_beta)
+        check(0 < self.nft_beta <= 1, "objective.nft_beta", "in (0, 1]", self.nft_beta)
+        check(self.nft_adv_clip > 0, "objective.nft_adv_clip", "> 0", self.nft_adv_clip)
+        check(self.nft_decay_type in NFT_DECAY_TYPES, "objective.nft_decay_type", one_of(NFT_DECAY_TYPES),
+              self.nft_decay_type)
+        check(0 < self.awm_ghuber_power <= 1, "objective.awm_ghuber_power", "in (0, 1]", self.awm_ghuber_power)
+        check(self.awm_weighting in AWM_WEIGHTINGS, "objective.awm_weighting", one_of(AWM_WEIGHTINGS),
+              self.awm_weighting)
+        check(not self.jagg or self.shared_noise, "objective.jagg",
+              "false unless objective.shared_noise is true (JAGG needs every level of a sample on one line "
+              "z_t = (1 - t) x0 + t eps, so one eps per sample)", self.jagg)
+
+    def levels_for(self, num_steps: int) -> int:
+        """K: ``num_levels``, or int(0.99 num_steps) (at least 1)."""
+        return self.num_levels if self.num_levels is not None else max(1, int(0.99 * num_steps))
+
+    def check_sections(self, num_steps: int) -> None:
+        """Checks across sections: the "schedule" levels are distinct times of the rollout's schedule."""
+        if self.name != "grpo" and self.levels == "schedule":
+            check(self.levels_for(num_steps) <= num_steps, "objective.num_levels",
+                  f"<= sampling.num_steps={num_steps} with objective.levels 'schedule' (distinct schedule times)",
+                  self.num_levels)
+        if self.jagg:
+            check(self.levels_for(num_steps) >= 3, "objective.num_levels",
+                  ">= 3 with objective.jagg (a window of 2 levels is already exact)", self.levels_for(num_steps))
