@@ -14,6 +14,7 @@ into rollout internals.
 from __future__ import annotations
 
 import functools
+import warnings
 from contextlib import nullcontext
 
 import lightning as L
@@ -205,6 +206,14 @@ class JAGGModule(L.LightningModule):
                 raise
             raise AttributeError(f"JAGGModule.{name} is built in configure_model(): the Trainer calls it; outside a "
                                  "Trainer call module.configure_model() first") from None
+
+    def on_fit_start(self) -> None:
+        # trainer.global_step counts optimizer steps (docs/configuration.md; one per rollout unless grpo.inner_epochs
+        # or micro_batches_per_update say more): ModelCheckpoint(every_n_train_steps=N) saves after the N-th, with the
+        # weights, optimizer, EMA and RNG state a resume continues from exactly. Lightning's manual-optimization path
+        # warns that no "pre-optimization state" was saved: that state would resume one step back, so none is kept.
+        warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization and "
+                                "every_n_train_steps, but no pre-optimization state was saved", category=UserWarning)
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(self.policy.lora_parameters())

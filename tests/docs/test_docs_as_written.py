@@ -18,6 +18,7 @@ Cost: the README's main job (60 steps, ~85 s CPU) runs once and serves every blo
 few seconds each."""
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -143,3 +144,14 @@ def test_block_runs_as_written(block, workspace, capfd, monkeypatch):
     assert runnable(block), (f"{block.id}: a block with no language and no `$ ` command: say what it is "
                              "(<!-- output of: COMMAND --> or <!-- not run: REASON -->)")
     workspace.run_block(block, capfd, monkeypatch)
+
+
+def test_the_documented_families_are_the_registry():
+    """docs/configuration.md's allowed values of ``policy.family`` are the registered families, all of them."""
+    from jagg_lightning.policies import FAMILIES
+
+    [row] = [line for line in (ROOT / "docs" / "configuration.md").read_text().splitlines()
+             if line.startswith("| `family` |")]
+    allowed = row.split("|")[3]
+    listed = re.findall(r"`(\w+)`", allowed.split("(")[0])
+    assert allowed.strip().startswith("null,") and listed == list(FAMILIES), (listed, list(FAMILIES))
