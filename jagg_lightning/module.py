@@ -83,6 +83,15 @@ def _to_arguments(args: tuple, kwargs: dict) -> tuple:
     return device, dtype
 
 
+def quiet_manual_checkpoint_warning() -> None:
+    """trainer.global_step counts optimizer steps (docs/configuration.md; one per rollout unless grpo.inner_epochs or
+    micro_batches_per_update say more): ModelCheckpoint(every_n_train_steps=N) saves after the N-th, with the weights,
+    optimizer, EMA and RNG state a resume continues from exactly. Lightning's manual-optimization path warns that no
+    "pre-optimization state" was saved: that state would resume one step back, so this module keeps none."""
+    warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization and every_n_train_steps, "
+                            "but no pre-optimization state was saved", category=UserWarning)
+
+
 class JAGGModule(L.LightningModule):
     """GRPO with JAGG window gradients on a LoRA-adapted flow-matching transformer (manual optimization).
 
@@ -207,15 +216,8 @@ class JAGGModule(L.LightningModule):
             raise AttributeError(f"JAGGModule.{name} is built in configure_model(): the Trainer calls it; outside a "
                                  "Trainer call module.configure_model() first") from None
 
-    def on_fit_start(self) -> None:
-        # trainer.global_step counts optimizer steps (docs/configuration.md; one per rollout unless grpo.inner_epochs
-        # or micro_batches_per_update say more): ModelCheckpoint(every_n_train_steps=N) saves after the N-th, with the
-        # weights, optimizer, EMA and RNG state a resume continues from exactly. Lightning's manual-optimization path
-        # warns that no "pre-optimization state" was saved: that state would resume one step back, so none is kept.
-        warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization and "
-                                "every_n_train_steps, but no pre-optimization state was saved", category=UserWarning)
-
     def configure_optimizers(self):
+        quiet_manual_checkpoint_warning()  # fit is starting: its ModelCheckpoint saves after the optimizer step
         optimizer = self.optimizer_factory(self.policy.lora_parameters())
         check_learning_rates(optimizer)
         if self.lr_scheduler_factory is None:

@@ -155,3 +155,14 @@ def test_the_documented_families_are_the_registry():
     allowed = row.split("|")[3]
     listed = re.findall(r"`(\w+)`", allowed.split("(")[0])
     assert allowed.strip().startswith("null,") and listed == list(FAMILIES), (listed, list(FAMILIES))
+
+
+def test_an_output_block_is_compared_line_by_line_numbers_included():
+    expected = ["jagg fit: 60 steps in 85 s wall, 85 s CPU", "  accuracy   0.467 → 0.633", "  ...  (the others)",
+                "  adapter    lora/final/"]
+    printed = "a bar\njagg fit: 60 steps in 91 s wall, 90 s CPU\n  accuracy   0.467 → 0.633\n  x\n  adapter    lora/final/\n"
+    assert matches(expected, printed) is None  # durations vary; "..." stands for any lines
+    assert matches(expected, printed.replace("0.633", "0.634")) == expected[1]  # a number that moved
+    assert matches(expected, printed.replace("  x\n", "")) is None  # "..." may stand for no line
+    assert matches(expected[:2], printed.replace("0.633\n", "0.633\n  inserted\n")) is None
+    assert matches(["a", "b"], "a\nc\nb") == "b"  # without "...", the lines follow each other

@@ -134,7 +134,11 @@ def transcript(text: str) -> list[tuple[str, list[str]]]:
 
 
 def _line_matches(expected: str, actual: str) -> bool:
-    pattern = DURATION.sub(lambda m: r"\d+ s " + m.group(1), re.escape(expected.rstrip()))
+    expected, pattern, start = expected.rstrip(), "", 0
+    for m in DURATION.finditer(expected):
+        pattern += re.escape(expected[start:m.start()]) + r"\d+ s " + m.group(1)
+        start = m.end()
+    pattern += re.escape(expected[start:])
     return re.fullmatch(pattern, actual.rstrip()) is not None
 
 
