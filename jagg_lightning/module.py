@@ -217,7 +217,6 @@ class JAGGModule(L.LightningModule):
                                  "Trainer call module.configure_model() first") from None
 
     def configure_optimizers(self):
-        quiet_manual_checkpoint_warning()  # fit is starting: its ModelCheckpoint saves after the optimizer step
         optimizer = self.optimizer_factory(self.policy.lora_parameters())
         check_learning_rates(optimizer)
         if self.lr_scheduler_factory is None:
@@ -250,6 +249,7 @@ class JAGGModule(L.LightningModule):
         self._record_step(report, collectives)
         self.rollouts_done += 1
         self._step_rng = None
+        quiet_manual_checkpoint_warning()  # before ModelCheckpoint's on_train_batch_end: a checkpoint is after the step
         return report.rewards.mean()
 
     def step_optimizer(self, collectives: Collectives) -> None:
