@@ -19,7 +19,7 @@ How a block runs, by its language:
   itself runs them (``.ci/run``, tied to the README's test command by ``tests/unit/test_ci_command.py``). ``jagg``
   runs in this process (``tests/support/in_process.py``: the entry point itself, Lightning imported once); anything
   else in ``bash``. A leading ``NAME=value`` sets the environment of that command.
-- ``python``: executed in this process from the workspace, as a script.
+- ``python``: run as a script (a fresh interpreter) from the workspace.
 - ``yaml``: a config fragment, parsed as ``jagg fit --config configs/tiny.yaml --config <block> --print_config`` (every
   key must exist and every class path import; nothing is built).
 - no language, lines starting ``$ ``: a transcript -- each command is run and what follows it is compared with what it
@@ -136,7 +136,7 @@ def transcript(text: str) -> list[tuple[str, list[str]]]:
 def _line_matches(expected: str, actual: str) -> bool:
     expected, pattern, start = expected.rstrip(), "", 0
     for m in DURATION.finditer(expected):
-        pattern += re.escape(expected[start:m.start()]) + r"\d+ s " + m.group(1)
+        pattern += re.escape(expected[start:m.start()]) + r"(?:\d+ min )?\d+ s " + m.group(1)  # 1 min 40 s past 99 s
         start = m.end()
     pattern += re.escape(expected[start:])
     return re.fullmatch(pattern, actual.rstrip()) is not None
@@ -145,8 +145,8 @@ def _line_matches(expected: str, actual: str) -> bool:
 def matches(expected: list[str], actual: str) -> str | None:
     """None when every expected line is a line of ``actual``, in order, with nothing between them, except where an
     expected line starts with ``...`` (it stands for any lines, none included); numbers are compared as printed, only
-    a duration (``85 s wall``, ``6 s CPU``) may be any number. Otherwise the first expected line not found."""
-    lines = [line for line in actual.splitlines()]
+    a duration (``85 s wall``, ``6 s CPU``, ``1 min 56 s wall``) may be any number; blank lines are skipped. Otherwise the first expected line not found."""
+    lines = [line for line in actual.splitlines() if line.strip()]  # blank lines are not compared
     expected = [e for e in expected if e.strip()]
     position, skipping = 0, True  # the first expected line may be anywhere in the output
     for want in expected:
