@@ -31,7 +31,7 @@ from pathlib import Path
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, instantiate_class
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -212,6 +212,14 @@ class JAGGCLI(LightningCLI):
                              "data.predict_prompts_file, or validation prompts (data.val_prompts)")
 
     def instantiate_classes(self) -> None:
+        # fit: the loggers are built only once the run is known to be new (before_fit). A logger may write as it is
+        # built (MLFlowLogger's client makes <tracking_uri>/0/meta.yaml), and a refused run leaves no files behind.
+        config = self.config.get("fit") if self.subcommand == "fit" else None
+        given = config.get("trainer.logger") if config is not None else None
+        specs = given if isinstance(given, list) else [given]
+        self._deferred_loggers = [s for s in specs if hasattr(s, "class_path")] if given else []
+        if self._deferred_loggers:
+            config["trainer.logger"] = False
         try:
             super().instantiate_classes()
         except (ValueError, FileNotFoundError) as err:
@@ -221,6 +229,9 @@ class JAGGCLI(LightningCLI):
             if line is None:
                 raise
             self._error(line)
+        finally:
+            if self._deferred_loggers:
+                config["trainer.logger"] = given  # what the run saves as its config.yaml: the loggers as given
 
     def before_fit(self) -> None:
         """A new run never replaces an earlier run's adapter or checkpoints (:mod:`jagg_lightning.cli_outputs`: one
@@ -229,10 +240,14 @@ class JAGGCLI(LightningCLI):
         checkpoint when that is newer -- a job restarted with the same command after a stop resumes where it stopped."""
         config = self.config_init["fit"]
         _without_validation_step_if_no_val_data(self.model, self.datamodule)
+        deferred = getattr(self, "_deferred_loggers", [])
         try:
-            check_new_run(self.trainer, config.get("ckpt_path"), bool(config.get("overwrite")))
+            check_new_run(self.trainer, config.get("ckpt_path"), bool(config.get("overwrite")),
+                          loggers=bool(deferred) or None)
         except ValueError as err:
             self._error(str(err))
+        if deferred:
+            self.trainer.loggers = [instantiate_class((), spec.as_dict()) for spec in deferred]
         if config.get("ckpt_path") != "last":
             return
         candidates = last_candidates(self.trainer)

@@ -90,8 +90,10 @@ def resumes(trainer, ckpt_path) -> bool:
     return any(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt"))  # Lightning resumes from it by itself
 
 
-def checkpoint_folders(trainer) -> set[Path]:
-    """The folders this run's checkpoints go to that are not new for every run (see the module docstring)."""
+def checkpoint_folders(trainer, loggers: bool | None = None) -> set[Path]:
+    """The folders this run's checkpoints go to that are not new for every run (see the module docstring);
+    ``loggers``: whether the run has loggers, when they are not yet attached (None: the trainer's)."""
+    logged = bool(trainer.loggers) if loggers is None else loggers
     root = Path(trainer.default_root_dir)
     folders = set()
     for callback in trainer.callbacks:
@@ -102,12 +104,12 @@ def checkpoint_folders(trainer) -> set[Path]:
         elif isinstance(callback, ModelCheckpoint):
             if callback.dirpath is not None:
                 folders.add(Path(callback.dirpath))
-            elif not trainer.loggers:
+            elif not logged:
                 folders.add(root / "checkpoints")
     return folders
 
 
-def earlier_outputs(trainer) -> list[tuple[str, Path, list[str]]]:
+def earlier_outputs(trainer, loggers: bool | None = None) -> list[tuple[str, Path, list[str]]]:
     """What a new run would replace: (field, folder, the names found there), adapters first."""
     found = []
     for callback in trainer.callbacks:
@@ -116,20 +118,21 @@ def earlier_outputs(trainer) -> list[tuple[str, Path, list[str]]]:
             names = [n for n in EXPORTS if readable_path(folder / n).exists()]
             if names:
                 found.append(("lora_export.dirpath", folder, names))
-    for folder in sorted(checkpoint_folders(trainer)):
+    for folder in sorted(checkpoint_folders(trainer, loggers)):
         names = sorted(p.name for p in folder.glob("*.ckpt")) if folder.is_dir() else []
         if names:
             found.append(("checkpoints", folder, names))
     return found
 
 
-def check_new_run(trainer, ckpt_path, overwrite: bool) -> None:
+def check_new_run(trainer, ckpt_path, overwrite: bool, loggers: bool | None = None) -> None:
     """ValueError (one line) when a new run would replace an earlier run's adapter or checkpoints: it names the flag
     that gives this run a folder of its own, ``--ckpt_path`` only when the earlier run left a checkpoint to continue
-    from, and ``--overwrite true``."""
+    from, and ``--overwrite true`` (``loggers``: see :func:`checkpoint_folders`; the CLI attaches a run's loggers only
+    after this check)."""
     if overwrite or resumes(trainer, ckpt_path):
         return
-    found = earlier_outputs(trainer)
+    found = earlier_outputs(trainer, loggers)
     if not found:
         return
     field, folder, names = found[0]

@@ -20,6 +20,7 @@ optimizer, scheduler, EMA and RNG states, and Lightning's counters); the frozen 
 from __future__ import annotations
 
 import functools
+import warnings
 from contextlib import nullcontext
 
 import lightning as L
@@ -113,6 +114,15 @@ def _save_hyperparameters(module, optimizer, lr_scheduler, ema_decay, reward_wor
         "lr_scheduler": state.describe_callable(lr_scheduler, None), "ema_decay": ema_decay,
         "reward_workers": reward_workers, "evaluation": module.evaluation, "memory": module.memory, "seed": seed,
         "objective": module.objective.config}))
+
+
+def quiet_manual_checkpoint_warning() -> None:
+    """trainer.global_step counts optimizer steps (docs/configuration.md; one per rollout unless grpo.inner_epochs or
+    micro_batches_per_update say more): ModelCheckpoint(every_n_train_steps=N) saves after the N-th, with the weights,
+    optimizer, EMA and RNG state a resume continues from exactly. Lightning's manual-optimization path warns that no
+    "pre-optimization state" was saved: that state would resume one step back, so this module keeps none."""
+    warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization and every_n_train_steps, "
+                            "but no pre-optimization state was saved", category=UserWarning)
 
 
 class JAGGModule(L.LightningModule):
@@ -269,6 +279,7 @@ class JAGGModule(L.LightningModule):
         self._record_step(report, collectives, self.sampler.decoded_samples - decoded)
         self.rollouts_done += 1
         self._step_rng = None
+        quiet_manual_checkpoint_warning()  # before ModelCheckpoint's on_train_batch_end: a checkpoint is after the step
         return report.rewards.mean()
 
     def step_optimizer(self, collectives: Collectives) -> None:

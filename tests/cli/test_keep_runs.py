@@ -109,14 +109,22 @@ def one_error(capsys) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("second", ["finished", "nan_reward_at_step_2", "raising_reward_at_step_2"])
+@pytest.mark.parametrize("second", ["finished", "nan_reward_at_step_2", "raising_reward_at_step_2", "with_loggers"])
 def test_a_second_fit_is_refused_at_start_and_the_first_runs_files_stay(first_run, second, capsys, monkeypatch):
+    """``with_loggers``: MLflow's client writes ``<tracking_uri>/0/meta.yaml`` as it is built; a refused run builds
+    no logger (issue 44), so it leaves no folder either."""
     root, seed, before = first_run
-    reward = {"finished": None,
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    reward = {"finished": None, "with_loggers": None,
               "nan_reward_at_step_2": {"class_path": "test_keep_runs.FailsAtCall", "init_args": {"at_call": 2}},
               "raising_reward_at_step_2": {"class_path": "test_keep_runs.FailsAtCall",
                                            "init_args": {"at_call": 2, "kind": "raise"}}}[second]
-    (root / f"{second}.yaml").write_text(yaml.safe_dump(run_config(seed + 1, reward)))
+    config = run_config(seed + 1, reward)
+    if second == "with_loggers":
+        config["trainer"]["logger"] = [
+            {"class_path": "lightning.pytorch.loggers.MLFlowLogger", "init_args": {"tracking_uri": "file:mlruns"}},
+            {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": "tb"}}]
+    (root / f"{second}.yaml").write_text(yaml.safe_dump(config))
     monkeypatch.setattr(module_lib, "build_policy", lambda *a, **k: pytest.fail("a model was built"))
     listing = sorted(p.name for p in root.iterdir())
     with pytest.raises(SystemExit) as info:
