@@ -4,7 +4,7 @@ The public names are imported on first use (PEP 562): ``import jagg_lightning`` 
 so ``jagg --help`` answers at once; ``from jagg_lightning import JAGGModule`` imports what it names.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 # what ``jagg --help`` says the tool is
 DESCRIPTION = ("jagg: GRPO fine-tuning of flow-matching text-to-image transformers (SD3, FLUX, Qwen-Image, ...) "
                "with a LoRA, where JAGG replaces most per-step backward passes. Start with: jagg fit --config "

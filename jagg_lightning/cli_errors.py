@@ -97,6 +97,9 @@ def missing_package(message: str, field: str | None = None) -> str | None:
                  "model.reward" if "rewards.base.Reward" in text or own else None)
     what = own.group(1) if own else given.group(1) if given else None
     install = PIP_NAMES.get(module) or PIP_NAMES.get(module.replace("-", "_"))
+    if install is None and "No module named" in text:  # not an optional package of ours: a user's own module
+        return (f"{field}: " if field else "") + (f"{what}: " if what else "") + (
+            f"No module named {module!r} (is its folder on PYTHONPATH? docs/rewards.md, 'Your own reward')")
     how = f"pip install {install}" if install else "install the package that provides it"
     needs = f"{what} needs the {module} module" if what else f"the Python module {module!r} is missing"
     return (f"{field}: " if field else "") + f"{needs}, which is not installed: {how}"

@@ -247,13 +247,23 @@ class JAGGCLI(LightningCLI):
         except ValueError as err:
             self._error(str(err))
         if deferred:
-            self.trainer.loggers = [instantiate_class((), spec.as_dict()) for spec in deferred]
+            self.trainer.loggers = [self._logger(spec) for spec in deferred]
         if config.get("ckpt_path") != "last":
             return
         candidates = last_candidates(self.trainer)
         if any(isinstance(c, Preemption) and c.checkpoint_file(self.trainer) in candidates
                for c in self.trainer.callbacks):
             config["ckpt_path"] = str(max(candidates, key=lambda p: p.stat().st_mtime))
+
+    def _logger(self, spec):
+        """A logger held back until the new-run check passed; one line when its package is missing."""
+        try:
+            return instantiate_class((), spec.as_dict())
+        except ImportError as err:  # Lightning's requirement hint, or the import itself
+            line = missing_package(f"{err}; Problem with given class_path '{spec.class_path}'", "trainer.logger")
+            if line is None:
+                raise
+            self._error(line)
 
     def instantiate_trainer(self, **kwargs):
         """The Trainer with the crash-safe checkpoint plugin (unless the user gives a CheckpointIO), the step progress

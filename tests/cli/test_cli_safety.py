@@ -343,8 +343,8 @@ DDP_VALIDATE = textwrap.dedent('''
     module = eval_module(int(sys.argv[2]))
     module.configure_model()
     seen, score = [], module.sampler.score
-    def recording_score(reward, images, prompts):  # what this process scored, sample by sample
-        total, components = score(reward, images, prompts)
+    def recording_score(reward, images, prompts, latents=None):  # what this process scored, sample by sample
+        total, components = score(reward, images, prompts, latents)
         seen.extend(zip(prompts, total.double().tolist()))
         return total, components
     module.sampler.score = recording_score

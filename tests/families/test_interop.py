@@ -104,8 +104,11 @@ def test_pipeline_load_lora_weights_and_fuse_lora(trained):
 
 
 def test_last_export_equals_last_checkpoint_and_carries_identity(trained):
+    """The export of the run's last step (``final``: it supersedes and removes ``last``, written at the same step's
+    checkpoint) equals the last checkpoint and carries the adapter's identity."""
     ckpt = torch.load(trained["root"] / "ckpt" / "last.ckpt", weights_only=True)
-    last = trained["root"] / "lora" / "last"
+    assert not (trained["root"] / "lora" / "last").exists()
+    last = trained["root"] / "lora" / "final"
     identity = json.loads((last / "adapter.json").read_text())
     assert identity["global_step"] == ckpt["global_step"] == 2
     assert ckpt["jagg"]["adapter"] == {k: v for k, v in identity.items() if k != "global_step"}

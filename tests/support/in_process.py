@@ -8,7 +8,7 @@ capture stand between a warning or a logger and the file descriptor here).
 
 What a process would have kept to itself is put back afterwards: the working directory, ``sys.argv``, the
 environment (``seed_everything`` writes ``PL_GLOBAL_SEED``, which processes launched later would inherit), the
-global random streams, torch's threads, the Ctrl-C handler and the levels of the loggers the entry point quiets."""
+global random streams, a W&B run, torch's threads, the Ctrl-C handler and the levels of the loggers the entry point quiets."""
 
 import logging
 import os
@@ -39,6 +39,9 @@ def jagg_in_process(*args, cwd, capfd, monkeypatch) -> subprocess.CompletedProce
     except SystemExit as exit:  # as a process exits: None is 0, a message 1
         code = 0 if exit.code is None else exit.code if isinstance(exit.code, int) else 1
     finally:
+        wandb = sys.modules.get("wandb")
+        if wandb is not None and wandb.run is not None:  # a process's W&B run ends with it; a later fit here would
+            wandb.finish()                                # otherwise reuse it (and write into its folder)
         torch.set_num_threads(threads)  # the entry point sets its own threads and Ctrl-C handler
         signal.signal(signal.SIGINT, on_sigint)
         for name, level in levels.items():
