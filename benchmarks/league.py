@@ -85,10 +85,19 @@ METHODS = {
     "jagg_w4_flash_tail": dict(sampling=FLASH_TAIL, jagg=dict(window_size=4, jagg_frac=1.0, fused_rollout=True),
                                what="fused JAGG W = 4 over the first 4 steps + the 2M tail"),
     # the objectives helper's methods: added by name once jagg_lightning.objectives is merged (config overrides)
-    "nft": dict(needs="jagg_lightning.objectives", objective=dict(name="nft"), what="DiffusionNFT (not merged yet)"),
-    "awm": dict(needs="jagg_lightning.objectives", objective=dict(name="awm"), what="AWM (not merged yet)"),
-    "awm_multi_t_jagg": dict(needs="jagg_lightning.objectives", objective=dict(name="awm", jagg=True),
-                             what="AWM over K noise levels with JAGG (not merged yet)"),
+    # the forward-process objectives (docs/method.md section 10): configs/digits_nft.yaml / digits_awm.yaml's settings
+    "nft": dict(sampling=dict(trained_steps=None, ode_after_trained=True, ode_solver="dpmpp_2m"),
+                grpo=dict(adv_std="global"), jagg=UNFUSED_EXACT,
+                objective=dict(name="nft", num_levels=9, levels="schedule", nft_beta=1.0, nft_adv_clip=5.0,
+                               nft_decay_type=1, kl_beta=0.0),
+                what="DiffusionNFT: ODE rollout (DPM-Solver++), 9 noise levels per sample (configs/digits_nft.yaml)"),
+    "awm": dict(sampling=dict(trained_steps=None), grpo=dict(adv_std="global"), jagg=UNFUSED_EXACT,
+                objective=dict(name="awm", num_levels=9, levels="schedule", awm_weighting="uniform", kl_beta=0.0),
+                what="AWM: ODE rollout (Euler), 9 noise levels per sample (configs/digits_awm.yaml)"),
+    "awm_multi_t_jagg": dict(sampling=dict(trained_steps=None), grpo=dict(adv_std="global"), jagg=UNFUSED_EXACT,
+                             objective=dict(name="awm", num_levels=9, levels="schedule", awm_weighting="uniform",
+                                            kl_beta=0.0, shared_noise=True, jagg=True, jagg_window=3),
+                             what="AWM with JAGG over its noise levels, windows of 3 levels (one backward each)"),
 }
 DEFAULT = [n for n, m in METHODS.items() if "needs" not in m and n != "exact_guard"]
 

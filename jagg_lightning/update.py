@@ -37,6 +37,18 @@ from jagg_lightning.sampler import Sampler, ScoredMicroBatch
 _ROUTING_STREAM, _CONTROL_STREAM = -4, -5  # sample_seed streams of the random routing scores and the control draws
 
 
+def shuffled_updates(num: int, grpo, shuffle: torch.Generator, device) -> list[list[Tensor]]:
+    """One inner epoch's updates: the rollout's ``num`` rows shuffled by ``shuffle`` into micro-batches of
+    ``grpo.train_batch_size`` rows, ``grpo.micro_batches_per_update`` of them per update (null: all). Each micro-batch
+    keeps the rollout's row order: a matmul kernel may round a row differently by its position in the batch (AVX-512
+    blocks rows), so on the first update the forwards see the rollout's rows where they were and the ratio is 1 bit
+    for bit."""
+    perm = torch.randperm(num, generator=shuffle).to(device)
+    micro = [m.sort().values for m in perm.split(grpo.train_batch_size)]
+    per_update = grpo.micro_batches_per_update or len(micro)
+    return [micro[start : start + per_update] for start in range(0, len(micro), per_update)]
+
+
 @dataclass
 class UpdateHooks:
     """What the update needs from the training loop: the backward call (Lightning's ``manual_backward``), the
@@ -373,14 +385,7 @@ class Updater:
         shuffle = torch.Generator().manual_seed(sample_seed(self.sampling.seed, step, -1))
         theta_is_old = True
         for _ in range(self.grpo.inner_epochs):
-            # shuffled into micro-batches, each in the rollout's row order: a matmul kernel may round a row
-            # differently by its position in the batch (AVX-512 blocks rows), so on the first update the forwards
-            # see the rollout's rows where they were and the ratio is 1 bit for bit
-            perm = torch.randperm(num, generator=shuffle).to(self.sampler.device)
-            micro = [m.sort().values for m in perm.split(self.grpo.train_batch_size)]
-            per_update = self.grpo.micro_batches_per_update or len(micro)
-            for start in range(0, len(micro), per_update):
-                group = micro[start : start + per_update]
+            for group in shuffled_updates(num, self.grpo, shuffle, self.sampler.device):
                 update_size = sum(len(m) for m in group)
                 for index in group:
                     self.guard.train(index)
@@ -395,4 +400,4 @@ class Updater:
                             hooks.backward, index)
                 hooks.optimizer_step()
                 theta_is_old = False
-        report.micro_batches = self.grpo.inner_epochs * len(micro)
+        report.micro_batches = self.grpo.inner_epochs * -(-num // self.grpo.train_batch_size)

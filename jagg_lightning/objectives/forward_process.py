@@ -35,7 +35,7 @@ from jagg_lightning.jagg import Window, WindowRecord, accumulate_gradients, plan
 from jagg_lightning.objectives.base import Objective
 from jagg_lightning.rollout import sample_generators, sample_seed
 from jagg_lightning.sharding import full_tensor, shard_like
-from jagg_lightning.update import StepReport, Updater, UpdateHooks
+from jagg_lightning.update import StepReport, Updater, UpdateHooks, shuffled_updates
 
 _LEVEL_STREAM, _NOISE_STREAM = -6, -7  # sample_seed streams of the noise levels and the per-sample noise
 
@@ -214,11 +214,8 @@ class ForwardProcessUpdater(Updater):
         updates = 0
         for epoch in range(self.grpo.inner_epochs):
             eps = self.noise(indices, step, epoch, K, x0)
-            perm = torch.randperm(num, generator=shuffle).to(self.sampler.device)
-            micro = [m.sort().values for m in perm.split(self.grpo.train_batch_size)]
-            per_update = self.grpo.micro_batches_per_update or len(micro)
-            for start in range(0, len(micro), per_update):
-                group = micro[start : start + per_update]
+            epoch_updates = shuffled_updates(num, self.grpo, shuffle, self.sampler.device)
+            for group in epoch_updates:
                 update_size = sum(len(m) for m in group)
                 gen = torch.Generator().manual_seed(sample_seed(self.sampling.seed, step, _LEVEL_STREAM, epoch, updates))
                 times = noise_levels(self.config.levels, K, self.sampler.times.cpu(), self.config.level_shift, gen)
@@ -232,7 +229,7 @@ class ForwardProcessUpdater(Updater):
                 updates += 1
                 if old is not None:
                     old.matches = False  # theta moved on
-            report.micro_batches += len(micro)
+            report.micro_batches += sum(len(group) for group in epoch_updates)
         report.exact_backwards = K * report.micro_batches
         return updates
 

@@ -21,14 +21,13 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-import yaml
 from PIL import Image
 
 from jagg_lightning.rewards import FlowGRPOServerReward, build_reward
 from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.rewards.wire import quantize
 
-from in_process import jagg_in_process
+from in_process import tiny_fit_with_reward
 
 JPEG_ATOL = 0.02  # a JPEG keeps each 8x8 block's mean to about a level of 255; smooth images keep it closer
 
@@ -215,23 +214,9 @@ def test_refuses_bad_configuration(server, tmp_path):
 
 @pytest.mark.slow
 def test_jagg_fit_with_a_flow_grpo_server(server, handler, tmp_path, capfd, monkeypatch):
-    root = tmp_path / "run"
-    cfg = {
-        "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "max_steps": 2, "enable_progress_bar": False, "enable_checkpointing": False,
-                    "enable_model_summary": False, "default_root_dir": str(root), "num_sanity_val_steps": 0,
-                    "log_every_n_steps": 1,
-                    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(root)}}},
-        "model": {"policy": {"lora_rank": 4, "lora_alpha": 8, "guidance_scale": 1.0, "max_sequence_length": 4},
-                  "sampling": {"num_steps": 3, "group_size": 2, "rollout_batch_size": 2},
-                  "grpo": {"train_batch_size": 2}, "jagg": {"window_size": 2},
-                  "reward": {"class_path": "jagg_lightning.rewards.FlowGRPOServerReward",
-                             "init_args": {"url": server, "server": "unifiedreward", "timeout": 10, "retries": 1}}},
-        "data": {"prompts": ["a cat", "a dog"], "batch_size": 1},
-        "lora_export": {"dirpath": str(root / "lora")},
-    }
-    (tmp_path / "fit.yaml").write_text(yaml.safe_dump(cfg))
-    proc = jagg_in_process("fit", "--config", tmp_path / "fit.yaml", cwd=tmp_path, capfd=capfd, monkeypatch=monkeypatch)
+    proc, root = tiny_fit_with_reward({"class_path": "jagg_lightning.rewards.FlowGRPOServerReward",
+                                       "init_args": {"url": server, "server": "unifiedreward", "timeout": 10,
+                                                     "retries": 1}}, tmp_path, capfd, monkeypatch)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert handler.requests and all(len(r["images"]) == 2 for r in handler.requests)
     metrics = (root / "lightning_logs" / "version_0" / "metrics.csv").read_text()

@@ -7,14 +7,13 @@ tensors at the ``<|Reward|>`` token, output 0 (mu)."""
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
 from safetensors.torch import save_file
 
 from jagg_lightning.policies.tiny import QWEN_VISION_TOKENS, tiny_qwen_vl_processor
 from jagg_lightning.rewards import HPSv3Reward, build_reward
 from jagg_lightning.rewards.hpsv3 import INSTRUCTION, REWARD_TOKEN
 
-from in_process import jagg_in_process
+from in_process import tiny_fit_with_reward
 from tiny_vlm import CHAT_TEMPLATE
 
 SMALL = 56 * 56  # pixels per image in the quick tests (the checkpoint's 256 * 28 * 28 in the first)
@@ -111,22 +110,8 @@ def test_hpsv3_refuses_a_checkpoint_that_does_not_fit(twin, tmp_path):
 
 @pytest.mark.slow
 def test_jagg_fit_with_hpsv3(twin, tmp_path, capfd, monkeypatch):
-    root = tmp_path / "run"
-    cfg = {
-        "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "max_steps": 2, "enable_progress_bar": False, "enable_checkpointing": False,
-                    "enable_model_summary": False, "default_root_dir": str(root), "num_sanity_val_steps": 0,
-                    "log_every_n_steps": 1,
-                    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(root)}}},
-        "model": {"policy": {"lora_rank": 4, "lora_alpha": 8, "guidance_scale": 1.0, "max_sequence_length": 4},
-                  "sampling": {"num_steps": 3, "group_size": 2, "rollout_batch_size": 2},
-                  "grpo": {"train_batch_size": 2}, "jagg": {"window_size": 2},
-                  "reward": {"class_path": "jagg_lightning.rewards.HPSv3Reward",
-                             "init_args": {"checkpoint": str(twin[1]), "base_model": str(twin[0]), "pixels": SMALL}}},
-        "data": {"prompts": ["a cat", "a dog"], "batch_size": 1},
-        "lora_export": {"dirpath": str(root / "lora")},
-    }
-    (tmp_path / "fit.yaml").write_text(yaml.safe_dump(cfg))
-    proc = jagg_in_process("fit", "--config", tmp_path / "fit.yaml", cwd=tmp_path, capfd=capfd, monkeypatch=monkeypatch)
+    proc, root = tiny_fit_with_reward({"class_path": "jagg_lightning.rewards.HPSv3Reward",
+                                       "init_args": {"checkpoint": str(twin[1]), "base_model": str(twin[0]),
+                                                     "pixels": SMALL}}, tmp_path, capfd, monkeypatch)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "train/reward/hpsv3" in (root / "lightning_logs" / "version_0" / "metrics.csv").read_text()

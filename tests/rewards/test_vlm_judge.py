@@ -18,13 +18,12 @@ from typing import ClassVar
 
 import pytest
 import torch
-import yaml
 
 from jagg_lightning.rewards import VLMJudgeReward
 from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.rewards.judge_templates import TEMPLATES, VIDEO_NOTE, score_from_logprobs, score_from_text
 
-from in_process import jagg_in_process
+from in_process import tiny_fit_with_reward
 from tiny_vlm import greedy_answer, save_tiny_vlm
 
 SERVE_START_S = 600  # importing transformers + fastapi and loading: ~20 s on idle cores, minutes on a loaded machine
@@ -127,24 +126,9 @@ def test_an_answer_without_a_score_names_endpoint_and_answer(served, tiny_vlm):
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_jagg_fit_with_a_vlm_judge(served, tiny_vlm, tmp_path, capfd, monkeypatch):
-    root = tmp_path / "run"
-    cfg = {
-        "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "max_steps": 2, "enable_progress_bar": False, "enable_checkpointing": False,
-                    "enable_model_summary": False, "default_root_dir": str(root), "num_sanity_val_steps": 0,
-                    "log_every_n_steps": 1,
-                    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(root)}}},
-        "model": {"policy": {"lora_rank": 4, "lora_alpha": 8, "guidance_scale": 1.0, "max_sequence_length": 4},
-                  "sampling": {"num_steps": 3, "group_size": 2, "rollout_batch_size": 2},
-                  "grpo": {"train_batch_size": 2}, "jagg": {"window_size": 2},
-                  "reward": {"class_path": "jagg_lightning.rewards.VLMJudgeReward",
-                             "init_args": {"url": served, "model": str(tiny_vlm[0]), "mode": "pairwise",
-                                           "max_tokens": 1, "timeout": 30, "retries": 1}}},
-        "data": {"prompts": ["a cat", "a dog"], "batch_size": 1},
-        "lora_export": {"dirpath": str(root / "lora")},
-    }
-    (tmp_path / "fit.yaml").write_text(yaml.safe_dump(cfg))
-    proc = jagg_in_process("fit", "--config", tmp_path / "fit.yaml", cwd=tmp_path, capfd=capfd, monkeypatch=monkeypatch)
+    proc, root = tiny_fit_with_reward({"class_path": "jagg_lightning.rewards.VLMJudgeReward",
+                                       "init_args": {"url": served, "model": str(tiny_vlm[0]), "mode": "pairwise",
+                                                     "max_tokens": 1, "timeout": 30, "retries": 1}}, tmp_path, capfd, monkeypatch)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = (root / "lightning_logs" / "version_0" / "metrics.csv").read_text()
     # a group of 2 judged pairwise: win rates 0 and 1, mean 0.5 exactly

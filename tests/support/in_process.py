@@ -56,3 +56,26 @@ def jagg_in_process(*args, cwd, capfd, monkeypatch) -> subprocess.CompletedProce
                 os.environ[key] = value
     out, err = capfd.readouterr()
     return subprocess.CompletedProcess(["jagg", *args], code, out, err)
+
+
+def tiny_fit_with_reward(reward: dict, tmp_path, capfd, monkeypatch) -> tuple[subprocess.CompletedProcess, object]:
+    """``jagg fit`` of the tiny SD3 for 2 steps with ``reward`` (its ``class_path`` / ``init_args``), CSV logs and the
+    adapter under ``tmp_path/run``: the run's CompletedProcess and that root."""
+    import yaml
+
+    root = tmp_path / "run"
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "max_steps": 2, "enable_progress_bar": False, "enable_checkpointing": False,
+                    "enable_model_summary": False, "default_root_dir": str(root), "num_sanity_val_steps": 0,
+                    "log_every_n_steps": 1,
+                    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(root)}}},
+        "model": {"policy": {"lora_rank": 4, "lora_alpha": 8, "guidance_scale": 1.0, "max_sequence_length": 4},
+                  "sampling": {"num_steps": 3, "group_size": 2, "rollout_batch_size": 2},
+                  "grpo": {"train_batch_size": 2}, "jagg": {"window_size": 2}, "reward": reward},
+        "data": {"prompts": ["a cat", "a dog"], "batch_size": 1},
+        "lora_export": {"dirpath": str(root / "lora")},
+    }
+    (tmp_path / "fit.yaml").write_text(yaml.safe_dump(config))
+    return jagg_in_process("fit", "--config", tmp_path / "fit.yaml", cwd=tmp_path, capfd=capfd,
+                           monkeypatch=monkeypatch), root
