@@ -83,7 +83,7 @@ def module_from_config(config_path, seed: int = 0, **jagg):
     cfg = yaml.safe_load(Path(config_path).read_text())
     model = dict(cfg["model"])
     unsupported = set(model) - {"policy", "sampling", "grpo", "jagg", "reward", "optimizer", "ema_decay",
-                                "reward_workers", "evaluation", "memory", "seed"}
+                                "reward_workers", "evaluation", "memory", "objective", "seed"}
     if unsupported:
         raise ValueError(f"module_from_config: model.{sorted(unsupported)[0]} is not supported here (use jagg fit)")
     model["policy"] = dict(model["policy"])
