@@ -6,22 +6,23 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 
-from jagg_lightning.sharding import full_tensor, shard_like
+from jagg_lightning.sharding import full_tensor, shard_like, values_swapped
 
 
 class LoRAEMA:
     """Shadow copies of named parameters; :meth:`applied` swaps them in temporarily."""
 
-    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], decay: float):
+    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], decay: float,
+                 networks: Iterable[nn.Module] = ()):
         if not 0.0 < decay < 1.0:
             raise ValueError(f"ema_decay must be in (0, 1), got {decay}")
         self.decay = decay
         self.params = dict(named_params)
+        self.networks = list(networks)  # the modules holding them (FSDP2 units resharded around a swap)
         self.reset()
 
     def reset(self) -> None:
@@ -42,18 +43,9 @@ class LoRAEMA:
         for name, p in self.params.items():
             self.shadow[name].lerp_(p.detach(), 1.0 - self.decay)
 
-    @contextmanager
-    @torch.no_grad()
     def applied(self):
         """Inside the block the live parameters hold the EMA weights; restored after."""
-        backup = {n: p.detach().clone() for n, p in self.params.items()}
-        for name, p in self.params.items():
-            p.copy_(self.shadow[name])
-        try:
-            yield
-        finally:
-            for name, p in self.params.items():
-                p.copy_(backup[name])
+        return values_swapped(list(self.params.values()), [self.shadow[n] for n in self.params], self.networks)
 
     def state_dict(self) -> dict[str, Tensor]:
         """Whole tensors (under FSDP2 the shards are gathered: every rank calls this)."""

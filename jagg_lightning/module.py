@@ -234,7 +234,8 @@ class JAGGModule(L.LightningModule):
             shard_policy(self.policy, mesh["data_parallel"], self.trainer.strategy)
             self._sharded, self.ema = True, None
         if self.ema_decay is not None and self.ema is None:
-            self.ema = LoRAEMA(self._trainable_named_parameters(), self.ema_decay)
+            self.ema = LoRAEMA(self._trainable_named_parameters(), self.ema_decay,
+                               self.policy.trained_networks().values())
 
     def __getattr__(self, name: str):
         try:

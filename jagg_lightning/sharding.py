@@ -7,7 +7,11 @@ functions return their input, so callers need not know which strategy runs.
 
 from __future__ import annotations
 
-from torch import Tensor
+from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
 
 
 def _is_dtensor(t) -> bool:
@@ -29,3 +33,35 @@ def shard_like(full: Tensor, reference: Tensor) -> Tensor:
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(full.to(reference.device, reference.dtype), reference.device_mesh, reference.placements)
+
+
+def reshard(networks: Iterable[nn.Module]) -> None:
+    """Every FSDP2 unit of ``networks`` drops its gathered parameters (a no-op for unsharded networks and for units
+    already sharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for network in networks:
+        for module in network.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
+@contextmanager
+def values_swapped(params: Sequence[Tensor], values: Sequence[Tensor], networks: Iterable[nn.Module] = ()):
+    """Inside the block ``params`` hold ``values`` (theta_old, the EMA weights), restored after. Under FSDP2 the
+    copy writes the shards, while a root unit keeps its parameters gathered after a forward (for the backward that
+    usually follows): the units of ``networks`` are resharded on entry and on exit, so no forward inside or after the
+    block reads the gathered weights of the other side."""
+    networks = list(networks)
+    with torch.no_grad():
+        backup = [p.detach().clone() for p in params]
+        reshard(networks)
+        for p, v in zip(params, values):
+            p.copy_(v)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            reshard(networks)
+            for p, b in zip(params, backup):
+                p.copy_(b)

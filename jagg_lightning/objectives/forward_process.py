@@ -34,7 +34,7 @@ from jagg_lightning.grpo import StepLossStats
 from jagg_lightning.jagg import Window, WindowRecord, accumulate_gradients, plan_windows
 from jagg_lightning.objectives.base import Objective
 from jagg_lightning.rollout import sample_generators, sample_seed
-from jagg_lightning.sharding import full_tensor, shard_like
+from jagg_lightning.sharding import full_tensor, shard_like, values_swapped
 from jagg_lightning.update import StepReport, Updater, UpdateHooks, shuffled_updates
 
 _LEVEL_STREAM, _NOISE_STREAM = -6, -7  # sample_seed streams of the noise levels and the per-sample noise
@@ -114,10 +114,11 @@ def noise_levels(kind: str, count: int, schedule: Tensor, shift: float, generato
 
 class OldPolicy:
     """theta_old: a copy of the trainable weights, soft-updated after each training step (DiffusionNFT's "old"
-    adapter). ``matches`` is True while it equals theta bit for bit (then no swap, no forward of its own)."""
+    adapter). ``matches`` is True while it equals theta bit for bit (then no swap, no forward of its own).
+    ``networks``: the modules holding ``params`` (under FSDP2 resharded around a swap, ``sharding.values_swapped``)."""
 
-    def __init__(self, params: list[torch.nn.Parameter]):
-        self.params = params
+    def __init__(self, params: list[torch.nn.Parameter], networks=()):
+        self.params, self.networks = params, list(networks)
         self.shadow = [p.detach().clone() for p in params]
         self.matches = True
 
@@ -129,23 +130,7 @@ class OldPolicy:
 
     def applied(self):
         """Inside the block the live parameters hold theta_old (a no-op while they match)."""
-        return nullcontext() if self.matches else _swapped(self.params, self.shadow)
-
-
-class _swapped:
-    def __init__(self, params, values):
-        self.params, self.values = params, values
-
-    @torch.no_grad()
-    def __enter__(self):
-        self.backup = [p.detach().clone() for p in self.params]
-        for p, v in zip(self.params, self.values):
-            p.copy_(v)
-
-    @torch.no_grad()
-    def __exit__(self, *exc):
-        for p, b in zip(self.params, self.backup):
-            p.copy_(b)
+        return nullcontext() if self.matches else values_swapped(self.params, self.shadow, self.networks)
 
 
 class ForwardProcessUpdater(Updater):
@@ -163,7 +148,7 @@ class ForwardProcessUpdater(Updater):
         if not self.objective.keeps_old_policy:
             return None
         if self.old is None:
-            self.old = OldPolicy(list(self.policy.lora_parameters()))
+            self.old = OldPolicy(list(self.policy.lora_parameters()), self.policy.trained_networks().values())
             if self._old_state is not None:
                 for s, full in zip(self.old.shadow, self._old_state):
                     s.copy_(shard_like(full.to(s.device), s))
