@@ -127,11 +127,15 @@ class ImageRewardReward(Reward):
         med_config = require_path(self.name, "med_config", med_config, False)
         tokenizer = require_path(self.name, "tokenizer", tokenizer, False)
         raw = torch.load(checkpoint, map_location="cpu", weights_only=True)
-        state = {to_transformers(k): v for k, v in raw.items()}
-        state.pop(None, None)
+        state = {mapped: v for k, v in (raw.items() if isinstance(raw, dict) else ())
+                 if (mapped := to_transformers(k)) is not None}
         if "vision.embeddings.patch_embedding.weight" not in state or "head.7.weight" not in state:
             raise ValueError(f"reward {self.name}: checkpoint {checkpoint!r} holds no blip.visual_encoder.patch_embed "
                              f"or mlp.layers.7: not an ImageReward checkpoint")
+        width = state["vision.embeddings.patch_embedding.weight"].shape[0]
+        if width % vision_heads:
+            raise ValueError(f"reward {self.name}: vision_heads must divide the ViT's width {width}, "
+                             f"got {vision_heads}")
         with open(med_config) as f:
             vision_config, text_config = configs(state, json.load(f), vision_heads)
         with no_init_weights():  # every weight is the checkpoint's: skip the random init

@@ -198,6 +198,8 @@ def test_imagereward_refuses_a_checkpoint_that_does_not_fit(twin, tmp_path):
     torch.save({"state_dict": state}, tmp_path / "wrapped.pt")
     with pytest.raises(ValueError, match="not an ImageReward checkpoint"):
         ImageRewardReward(**(args | {"checkpoint": str(tmp_path / "wrapped.pt")}))
+    with pytest.raises(ValueError, match="reward imagereward: vision_heads must divide the ViT's width 16, got 3"):
+        ImageRewardReward(**(args | {"vision_heads": 3}))
     with pytest.raises(FileNotFoundError, match="reward imagereward: med_config"):
         ImageRewardReward(**(args | {"med_config": str(tmp_path / "med_config.json")}))
     with pytest.raises(ValueError, match="reward imagereward: dtype must be one of"):
