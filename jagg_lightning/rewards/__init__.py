@@ -16,7 +16,7 @@ _PUBLIC = {
     "AestheticReward": "aesthetic", "CallableReward": "base", "Reward": "base", "check_images": "base", "to_pil": "base",
     "CLIPScoreReward": "clipscore", "EditFidelity": "conditioned", "FirstFrameConsistency": "conditioned",
     "DigitReward": "digits", "FlowGRPOServerReward": "flow_grpo_server", "HPSv2Reward": "hpsv2",
-    "HPSv3Reward": "hpsv3",
+    "HPSv3Reward": "hpsv3", "ImageRewardReward": "imagereward",
     "JpegCompressibility": "jpeg", "JpegIncompressibility": "jpeg", "MONITOR_PREFIX": "monitor",
     "MonitoredReward": "monitor", "OcrReward": "ocr", "PickScoreReward": "pickscore",
     "REWARD_CLASSES": "registry", "build_reward": "registry", "describe_reward": "registry",

@@ -165,12 +165,14 @@ def test_scores_from_logprobs_are_expected_scores(rng_seed):
 class ChatHandler(BaseHTTPRequestHandler):
     answer: ClassVar[bytes] = b""
     bodies: ClassVar[list] = []
+    delay: ClassVar[float] = 0.0  # seconds before answering: a slow server
 
     def log_message(self, *args):
         pass
 
     def do_POST(self):
         type(self).bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        time.sleep(self.delay)
         self.send_response(200)
         self.send_header("Content-Length", str(len(self.answer)))
         self.end_headers()
@@ -209,6 +211,8 @@ def test_logprobs_requested_and_used_when_returned(chat_server):
     (b"<html>502</html>", "answered something that is not a chat completion: b'<html>502</html>'"),
     (json.dumps({"choices": []}).encode(), "answered something that is not a chat completion"),
     (completion("I cannot tell."), "answered no score in [1, 10]: 'I cannot tell.'"),
+    (completion("11"), "answered no score in [1, 10]: '11'"),  # out of range: never a silent wrong score
+    (completion("7", [{"token": "7", "logprob": float("nan")}])[:-2], "not a chat completion"),  # cut short
 ])
 def test_malformed_answers_name_reward_endpoint_and_answer(chat_server, answer, says):
     ChatHandler.answer = answer
@@ -217,6 +221,31 @@ def test_malformed_answers_name_reward_endpoint_and_answer(chat_server, answer, 
         judge(torch.rand(1, 3, 8, 8), ["a"])
     message = str(err.value)
     assert "\n" not in message and message.startswith(f"reward judge: {chat_server}/chat/completions") and says in message
+
+
+def test_nonfinite_logprobs_never_make_a_nan_score(chat_server):
+    """A NaN or infinite log-probability is left out (json.loads reads NaN and Infinity): the expected score is
+    over the finite ones, or the answer's text when none is left."""
+    judge = VLMJudgeReward(chat_server, model="judge", task="score_1_10", use_logprobs=True, retries=0)
+    ChatHandler.answer = completion("7", [{"token": "7", "logprob": float("nan")}, {"token": "3", "logprob": -1.0},
+                                          {"token": "9", "logprob": float("inf")}])
+    assert judge(torch.rand(1, 3, 8, 8), ["a"]).tolist() == [3.0]
+    ChatHandler.answer = completion("7", [{"token": "7", "logprob": float("nan")}])
+    assert judge(torch.rand(1, 3, 8, 8), ["a"]).tolist() == [7.0]
+
+
+def test_slow_endpoint_fails_within_the_timeout(chat_server):
+    ChatHandler.answer, ChatHandler.delay = completion("7"), 3.0
+    judge = VLMJudgeReward(chat_server, model="judge", timeout=0.5, retries=1, backoff=0.01, name="judge")
+    start = time.monotonic()
+    try:
+        with pytest.raises(RewardError) as err:
+            judge(torch.rand(1, 3, 8, 8), ["a"])
+    finally:
+        ChatHandler.delay = 0.0
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"reward judge: {chat_server}/chat/completions failed 2 attempt(s)")
+    assert "TimeoutError" in message and time.monotonic() - start < 2.5  # two attempts of 0.5 s, never the 3 s
 
 
 def test_dead_endpoint_and_bad_configuration():
