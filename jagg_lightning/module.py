@@ -307,11 +307,11 @@ class JAGGModule(L.LightningModule):
     def _record_step(self, report: StepReport, collectives: Collectives, decodes: int = 0) -> None:
         """Keep what callbacks read, check the first update's ratio and log ``train/*``."""
         self.window_records, self.skipped_samples = report.records, report.skipped_samples
+        self.windows = report.windows if report.windows is not None else self.windows  # forward-process: the levels'
         self.last_rollout = RolloutBatch(report.trajectory, report.cond, report.advantages)
-        warning = self.ratio_check(report.first_update_stats)
-        self.first_update_ratio_deviation, self.first_update_ratio_off = self.ratio_check.deviation, self.ratio_check.off
-        if warning:
+        if warning := self.ratio_check(report.first_update_stats):
             rank_zero_warn(warning)
+        self.first_update_ratio_deviation, self.first_update_ratio_off = self.ratio_check.deviation, self.ratio_check.off
         # backwards the objective makes without JAGG, counted by it (records cannot tell micro-batches from parts)
         self.exact_backwards = report.exact_backwards
         values = train_metrics(report, self.windows, self.ratio_check, self.exact_backwards,

@@ -76,6 +76,7 @@ class StepReport:
     skipped_samples: int = 0  # zero-advantage samples given no pass
     reference_forwards: int = 0  # adapter-off forwards of the step (rollout and completed reference)
     exact_backwards: int = 0  # backwards the objective makes without JAGG (GRPO: trained steps x micro-batches)
+    windows: list | None = None  # the windows the update used when not the plan's (forward-process: noise levels)
     _rewards: list[Tensor] = field(default_factory=list)
     _components: list[dict[str, Tensor]] = field(default_factory=list)
     _advantages: list[Tensor] = field(default_factory=list)

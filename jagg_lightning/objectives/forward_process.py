@@ -216,6 +216,7 @@ class ForwardProcessUpdater(Updater):
                     old.matches = False  # theta moved on
             report.micro_batches += sum(len(group) for group in epoch_updates)
         report.exact_backwards = K * report.micro_batches
+        report.windows = self.level_windows(K)  # train/routed_frac and RoutingStats read these, not the GRPO plan's
         return updates
 
     def noise(self, indices: list[int], step: int, epoch: int, K: int, like: Tensor) -> Tensor:

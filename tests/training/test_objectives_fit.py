@@ -27,7 +27,7 @@ class Passes(Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         m = trainer.callback_metrics
         self.rows.append((float(m["train/passes/nograd_forward"]), float(m["train/passes/backward"]),
-                          float(m["train/reward_mean"])))
+                          float(m["train/reward_mean"]), float(m["train/routed_frac"])))
 
 
 def run(seed, root, steps, objective, checkpoint=None, ckpt_path=None):
@@ -71,11 +71,13 @@ def test_nft_resumes_exactly_with_its_theta_old(tmp_path):
 
 def test_jagg_over_levels_through_the_trainer(tmp_path):
     """AWM with one eps per sample: exact makes K backwards per micro-batch, ``objective.jagg`` one (K - 2 no-grad
-    forwards for the interior levels); both train."""
+    forwards for the interior levels); both train. ``train/routed_frac`` is the share of the LEVEL windows routed (0
+    exact, 1 with jagg), not of the GRPO plan's SDE windows, which this objective does not train."""
     counts = {}
     for jagg in (False, True):
         rows, weights, module = run(0, tmp_path / str(jagg), 1,
                                     dict(name="awm", num_levels=LEVELS, shared_noise=True, jagg=jagg))
-        counts[jagg] = rows[0][:2]
+        counts[jagg] = rows[0][:2] + rows[0][3:]
         assert module.exact_backwards == 2 * LEVELS
-    assert counts == {False: (0.0, 2 * LEVELS), True: (2 * (LEVELS - 2), 2.0)}
+        assert [w.steps for w in module.windows] == [tuple(range(LEVELS))]
+    assert counts == {False: (0.0, 2 * LEVELS, 0.0), True: (2 * (LEVELS - 2), 2.0, 1.0)}
