@@ -102,6 +102,37 @@ METHODS = {
                                             kl_beta=0.0, shared_noise=True, jagg=True, jagg_window=3),
                              what="AWM with JAGG over its noise levels, windows of 3 levels (one backward each)"),
 }
+# The cost model (docs/method.md section 11): per sample and training step, (rollout forwards, the update's forwards with
+# grad, its no-grad forwards, one-step backwards). Fused JAGG's rollout forwards carry the graphs (no update forward);
+# its one backward call sweeps the 2 anchors of each routed window. NFT's theta_old forward per level is counted (it
+# lags from the second step on). Predicted CPU = R + G + N + b B (in F, b = B / F) + D (decode, reward, optimizer).
+COST = {"exact": (10, 10, 0, 10), "jagg_w5_fused": (10, 0, 0, 4), "jagg_w4_fused": (10, 2, 0, 6), "flow_grpo_fast": (10, 3, 0, 3), "mixgrpo": (10, 2, 0, 2), "flash_tail": (6, 4, 0, 4), "flash_grpo": (10, 1, 0, 1), "flash_grpo_group": (10, 1, 0, 1), "dance_fraction": (10, 6, 0, 6), "jagg_w5_guard": (10, 0, 0, 4), "exact_guard": (10, 10, 0, 10), "jagg_w4_flash_tail": (6, 0, 0, 2), "nft": (10, 9, 9, 9), "awm": (10, 9, 0, 9), "awm_k1": (10, 1, 0, 1), "awm_multi_t_jagg": (10, 6, 3, 6)}
+B_OVER_F = 1.2  # a LoRA-only backward against a forward on this CPU (docs/method.md section 5)
+
+
+def cost_model(summary: dict) -> str:
+    """Predicted against measured CPU per method (both relative to the reference): D, the per-step cost outside the
+    transformer's passes (decode, reward, optimizer, Python), fitted by least squares over the methods (one number)."""
+    rows = [(n, r["cpu_vs_ref"][0]) for n, r in summary["table"].items() if n in COST]
+    ref = summary.get("reference", "exact")
+    if not rows or ref not in COST:
+        return ""
+    units = {n: (lambda c: c[0] + c[1] + c[2] + B_OVER_F * c[3])(COST[n]) for n, _ in rows}
+    e = units[ref]
+    # measured m = (u + D) / (e + D)  <=>  m e - u = D (1 - m): least squares for D
+    num = sum((m * e - units[n]) * (1 - m) for n, m in rows)
+    den = sum((1 - m) ** 2 for n, m in rows) or float("nan")
+    d = num / den
+    lines = [f"cost model: B = {B_OVER_F} F, D = {d:.1f} F fitted (the reference {ref}: {e:.1f} F of passes + D)", "",
+             "| method | rollout F | update F (grad / no-grad) | backwards | passes (F) | predicted CPU vs exact | measured |",
+             "|---|---|---|---|---|---|---|"]
+    for n, m in rows:
+        c = COST[n]
+        lines.append(f"| {n} | {c[0]} | {c[1]} / {c[2]} | {c[3]} | {units[n]:.1f} | {(units[n] + d) / (e + d):.2f} | "
+                     f"{m:.2f} |")
+    return "\n".join(lines)
+
+
 DEFAULT = [n for n, m in METHODS.items() if "needs" not in m and n != "exact_guard"]
 
 
@@ -349,7 +380,7 @@ def main(argv=None):
     (out / f"{stem}_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     if summary["table"]:
         plot(summary, out / f"{stem}.png")
-    text = tables(summary)
+    text = tables(summary) + "\n\n" + cost_model(summary)
     (out / f"{stem}_summary.md").write_text(text + "\n")
     print(text)
 
