@@ -50,6 +50,13 @@ def torch_save(obj: Any, path: str) -> None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO`` whose saves never leave a torn file and whose loads are ``weights_only``.
+
+    Given to the Trainer as a plugin (``trainer.plugins``; ``jagg fit`` adds it): each checkpoint is written to a
+    temporary sibling, fsynced and renamed over the path, so the previous checkpoint survives a save that is killed
+    or fails (a full disk raises ``WriteError`` naming the checkpoint).
+    """
+
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")

@@ -20,6 +20,9 @@ from jagg_lightning.policies.base import Policy
 
 @dataclass(frozen=True)
 class Family:
+    """A registered model family: its ``policy.family`` name, the pipeline classes detected as it and its policy class
+    (imported on first use, so listing the families imports no diffusers model)."""
+
     name: str
     pipeline_classes: tuple[str, ...]  # model_index.json ``_class_name`` values this family trains
     module: str
@@ -39,6 +42,9 @@ FAMILIES: dict[str, Family] = {}
 
 def register_family(name: str, pipeline_classes: tuple[str, ...], module: str, policy: str,
                     requires: dict | None = None) -> None:
+    """Add a family: ``policy.family: <name>`` then trains ``module``'s ``policy`` class, and a pipeline whose
+    ``model_index.json`` ``_class_name`` is one of ``pipeline_classes`` (and that holds every ``requires`` key with
+    its value) is detected as it."""
     FAMILIES[name] = Family(name, tuple(pipeline_classes), module, policy, tuple((requires or {}).items()))
 
 

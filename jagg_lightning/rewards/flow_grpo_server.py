@@ -66,7 +66,11 @@ class FlowGRPOServerReward(RemoteReward):
         jpeg_quality: the JPEG quality the images are sent at, 1..95.
         score_key: the answer's key holding the scores, to override the server's (another server's protocol).
         extra_fields: further plain fields every request carries (a server that wants more than the three above).
-        timeout, retries, token, backoff, name: as :class:`RemoteReward` (``name`` defaults to ``server``).
+        timeout: as :class:`RemoteReward`.
+        retries: as :class:`RemoteReward`.
+        token: as :class:`RemoteReward`.
+        name: as :class:`RemoteReward`; None: ``server``.
+        backoff: as :class:`RemoteReward`.
     """
 
     def __init__(self, url: str, server: str = "deqa", metadata: str | None = None, only_strict: bool = True,

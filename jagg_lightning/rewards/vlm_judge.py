@@ -54,7 +54,11 @@ class VLMJudgeReward(RemoteReward):
         both_orders: pairwise: judge each pair in both orders (cancels a position bias; twice the requests).
         max_tokens: the answer's token limit (default: 512 for ``unifiedreward``, which reasons first, else 8).
         max_concurrency: requests in flight at once, >= 1.
-        timeout, retries, token, backoff, name: as :class:`RemoteReward`.
+        timeout: as :class:`RemoteReward`.
+        retries: as :class:`RemoteReward`.
+        token: as :class:`RemoteReward`.
+        name: as :class:`RemoteReward`.
+        backoff: as :class:`RemoteReward`.
 
     An answer that holds no score in range, or JSON that is not a chat completion, stops the step with one line
     naming the reward, the endpoint and the answer.
