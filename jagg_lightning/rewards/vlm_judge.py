@@ -54,6 +54,7 @@ class VLMJudgeReward(RemoteReward):
         both_orders: pairwise: judge each pair in both orders (cancels a position bias; twice the requests).
         max_tokens: the answer's token limit (default: 512 for ``unifiedreward``, which reasons first, else 8).
         max_concurrency: requests in flight at once, >= 1.
+        temperature: the sampling temperature sent with each request (0: the judge's greedy answer, repeatable).
         timeout: as :class:`RemoteReward`.
         retries: as :class:`RemoteReward`.
         token: as :class:`RemoteReward`.
