@@ -146,7 +146,8 @@ class Owlv2Reader(nn.Module):
         found = []
         for image, names in zip(images, wanted):
             names = list(dict.fromkeys(names))
-            inputs = self.processor(text=[[self.query.format(n) for n in names]], images=image, return_tensors="pt")
+            inputs = self.processor(text=[[self.query.format(n) for n in names]], images=image, return_tensors="pt",
+                                    truncation=True)
             outputs = self.model(**{k: v.to(_device(self.model)) for k, v in inputs.items()})
             height, width = image.shape[:2]
             side = max(height, width)  # OWLv2 pads to a square at the bottom / right; boxes come in that frame
