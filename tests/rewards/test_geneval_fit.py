@@ -31,6 +31,28 @@ def test_a_geneval_metadata_jsonl_trains_with_the_scenes_reader(tmp_path, capfd,
     assert logged and all(np.isfinite(v) and v <= 1 for v in logged)
 
 
+def test_metadata_travels_through_batches_and_pickles_and_the_reward_rebuilds():
+    """The shipped names read the scenes' metadata files; a row survives a DataLoader batch and a pickle (gathers
+    across processes), and the reward's description (the hyper-parameters) rebuilds it."""
+    import pickle
+
+    from torch.utils.data import DataLoader
+
+    from jagg_lightning.data import PromptDataset, unpack_prompt_batch
+    from jagg_lightning.rewards import GenEvalReward
+    from jagg_lightning.rewards.registry import build_reward
+
+    module = PromptDataModule(prompts_file="scenes_train", val_prompts_file="scenes_heldout")
+    assert len(module.prompts) == 332 and len(module.val_prompts) == 132
+    prompts, _ = unpack_prompt_batch(next(iter(DataLoader(PromptDataset(module.val_prompts[-3:]), batch_size=3))))
+    again = pickle.loads(pickle.dumps(prompts))
+    assert [p.metadata for p in again] == [p.metadata for p in module.val_prompts[-3:]]
+    assert all(p.metadata["prompt"] == p for p in again)
+    reward = GenEvalReward(score="strict", position_threshold=0.2)
+    rebuilt = build_reward(reward.describe())
+    assert rebuilt.kind == "strict" and rebuilt.thresholds == reward.thresholds
+
+
 def test_plain_prompts_are_refused_naming_the_prompt(tmp_path, capfd, monkeypatch):
     proc, _ = tiny_fit_with_reward("geneval", tmp_path, capfd, monkeypatch)
     assert proc.returncode != 0 and "prompt 'a cat' carries no GenEval metadata" in proc.stderr + proc.stdout
