@@ -132,13 +132,16 @@ class GenEvalReward(Reward):
         return [judge(found, m, lambda objs, name, a=a: self.reader.colors(a, objs, name), self.thresholds)
                 for a, found, m in zip(arrays, raw, metadata)]
 
-    def score(self, images: Tensor, prompts: list[str]) -> Tensor:
-        judged = self.judge_images(images, prompts)
+    def scores_of(self, judged: list[Judgement]) -> Tensor:
+        """The chosen ``score`` of each reading, float32 [B]."""
         if self.kind == "flow_grpo":
             values = [j.score for j in judged]
         else:
             values = [float(j.strict if self.kind == "strict" else j.correct) for j in judged]
         return torch.tensor(values, dtype=torch.float32)
+
+    def score(self, images: Tensor, prompts: list[str]) -> Tensor:
+        return self.scores_of(self.judge_images(images, prompts))
 
     @torch.no_grad()
     def correct(self, images: Tensor, prompts: list[str]) -> Tensor:
