@@ -50,7 +50,8 @@ def check_metadata(metadata: dict, prompt) -> dict:
                          "(one row a line with 'tag', 'include', 'prompt', ...: GenEval's evaluation_metadata.jsonl)")
     include = metadata.get("include")
     if not isinstance(include, list) or not include:
-        raise ValueError(f"prompt {where(prompt)}: GenEval metadata 'include' must be a non-empty list, got {include!r}")
+        raise ValueError(f"prompt {where(prompt)}: GenEval metadata 'include' must be a non-empty list, "
+                         f"got {include!r}")
     for req in include + list(metadata.get("exclude", [])):
         if not isinstance(req, dict) or not isinstance(req.get("class"), str) or not isinstance(req.get("count"), int) \
                 or req["count"] < 1:

@@ -61,8 +61,10 @@ class ClipColors(nn.Module):
         """[colours, dim]: the zero-shot classifier of one class, cached."""
         if classname not in self._heads:
             texts = [t for per_color in self.texts(classname) for t in per_color]
-            tokens = self.processor(text=texts, return_tensors="pt", padding=True)
-            features = _features(self.model.get_text_features(**{k: v.to(_device(self.model)) for k, v in tokens.items()}))
+            # cut to the model's context, as open_clip's tokenizer does
+            tokens = self.processor(text=texts, return_tensors="pt", padding=True, truncation=True)
+            tokens = {k: v.to(_device(self.model)) for k, v in tokens.items()}
+            features = _features(self.model.get_text_features(**tokens))
             features = features / features.norm(dim=-1, keepdim=True)
             per_color = features.reshape(len(COLORS), len(COLOR_TEMPLATES), -1).mean(1)
             self._heads[classname] = per_color / per_color.norm(dim=-1, keepdim=True)
@@ -154,7 +156,8 @@ class Owlv2Reader(nn.Module):
             result = self.processor.image_processor.post_process_object_detection(
                 outputs, threshold=0.0, target_sizes=[(side, side)])[0]
             per_class: dict[str, list[Detection]] = {}
-            for box, score, label in zip(result["boxes"].tolist(), result["scores"].tolist(), result["labels"].tolist()):
+            for box, score, label in zip(result["boxes"].tolist(), result["scores"].tolist(),
+                                         result["labels"].tolist()):
                 x0, y0, x1, y1 = (min(max(v, 0.0), limit) for v, limit in zip(box, (width, height, width, height)))
                 per_class.setdefault(names[label], []).append(Detection((x0, y0, x1, y1), float(score)))
             found.append(per_class)

@@ -97,7 +97,8 @@ class SceneReader:
         distances = ((pixels[:, :, None, :] - references[None, None]) ** 2).sum(-1)
         return distances.argmin(-1)
 
-    def detect(self, images: list[np.ndarray], wanted: list[list[str]] | None = None) -> list[dict[str, list[Detection]]]:
+    def detect(self, images: list[np.ndarray],
+               wanted: list[list[str]] | None = None) -> list[dict[str, list[Detection]]]:
         """:meth:`read` of each image (every shape is read; ``wanted`` is the readers' common signature)."""
         return [self.read(image) for image in images]
 

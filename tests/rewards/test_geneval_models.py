@@ -16,7 +16,8 @@ CLASSES = {0: "cup", 1: "dog", 2: "sports ball"}
 
 @pytest.fixture(scope="module")
 def mask2former_dir(tmp_path_factory):
-    from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor, SwinConfig
+    from transformers import (Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor,
+                              SwinConfig)
 
     root = tmp_path_factory.mktemp("mask2former")
     torch.manual_seed(0)
@@ -90,7 +91,8 @@ def test_clip_colours_are_genevals_zero_shot_head_on_masked_crops(clip_dir, rng_
             return x / x.norm(dim=-1, keepdim=True)
         heads = []
         for texts in classifier.texts("car"):
-            mean = unit(model.get_text_features(**processor(text=texts, return_tensors="pt", padding=True))).mean(0)
+            mean = unit(model.get_text_features(**processor(text=texts, return_tensors="pt", padding=True,
+                                                                  truncation=True))).mean(0)
             heads.append(mean / mean.norm())
         pixels = processor(images=[ClipColors.crop(image, d) for d in found], return_tensors="pt")["pixel_values"]
         expected = [COLORS[i] for i in (unit(model.get_image_features(pixel_values=pixels)) @ torch.stack(heads).T)
@@ -111,13 +113,16 @@ def test_mask2former_instances_flow_into_the_rules(mask2former_dir, clip_dir, rn
     for d in detections:
         assert d.mask.shape == (40, 48) and d.mask.dtype == bool and d.box == mask_box(d.mask) and 0 <= d.score <= 1
 
-    row = {"tag": "colors", "include": [{"class": "cup", "count": 1, "color": "red"}], "prompt": "a photo of a red cup"}
+    name = next(iter(found[0]))  # a class the twin finds in the first image: its colour is then asked of CLIP
+    row = {"tag": "colors", "include": [{"class": name, "count": 1, "color": "red"}],
+           "prompt": f"a photo of a red {name}"}
     prompts = [ConditionedPrompt(row["prompt"], (), "", row)] * 2
     reward = GenEvalReward("mask2former", "geneval", str(mask2former_dir), str(clip_dir), threshold=0.0)
     judged = reward.judge_images(images, prompts)
+    assert judged[0].detected[name]
     for per_image, image, verdict in zip(found, as_arrays(images), judged):
         objects = select_detections(per_image, "colors", reward.thresholds)
-        assert [d.box for d in verdict.detected.get("cup", [])] == [d.box for d in objects.get("cup", [])]
+        assert [d.box for d in verdict.detected.get(name, [])] == [d.box for d in objects.get(name, [])]
         expected = evaluate(objects, row, lambda objs, name: reader.clip(Image.fromarray(image), objs, name))[0]
         assert verdict.correct == expected
     scores = reward(images, prompts)

@@ -127,7 +127,8 @@ def test_flow_grpo_dense_colour_and_position_terms_with_the_servers_quirk():
     objects = {"cup": [det(0, 0, color="red")], "dog": [det(50, 0, color="green")]}
     strict, score, _ = evaluate_reward(objects, colours, no_colors)
     assert not strict and score == pytest.approx((1 + 1 + 1 + 0) / 4)
-    assert evaluate_reward({"cup": [det(0, 0, color="red")]}, colours, no_colors)[1] == pytest.approx((1 + 1 + 0 + 0) / 4)
+    missing_dog = evaluate_reward({"cup": [det(0, 0, color="red")]}, colours, no_colors)[1]
+    assert missing_dog == pytest.approx((1 + 1 + 0 + 0) / 4)
     position = {"tag": "position", "include": [{"class": "cup", "count": 1},
                                                {"class": "dog", "count": 1, "position": ["left of", 0]}]}
     assert evaluate_reward({"cup": [det(50, 0)], "dog": [det(20, 0)]}, position, no_colors)[:2] == (True, 1.0)

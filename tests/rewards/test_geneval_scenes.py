@@ -80,7 +80,8 @@ def test_phrasing_is_genevals_word_for_word():
         '"prompt": "a photo of a toaster and an oven"}',
         '{"tag": "counting", "include": [{"class": "clock", "count": 2}], "exclude": [{"class": "clock", "count": 3}], '
         '"prompt": "a photo of two clocks"}',
-        '{"tag": "colors", "include": [{"class": "car", "count": 1, "color": "pink"}], "prompt": "a photo of a pink car"}',
+        '{"tag": "colors", "include": [{"class": "car", "count": 1, "color": "pink"}], '
+        '"prompt": "a photo of a pink car"}',
         '{"tag": "position", "include": [{"class": "teddy bear", "count": 1}, {"class": "dog", "count": 1, '
         '"position": ["right of", 0]}], "prompt": "a photo of a dog right of a teddy bear"}',
         '{"tag": "color_attr", "include": [{"class": "bus", "count": 1, "color": "green"}, {"class": "microwave", '

@@ -8,7 +8,7 @@ from jagg_lightning.rewards import GenEvalReward
 from jagg_lightning.rewards.geneval_rules import TASKS
 from jagg_lightning.testbed.evaluate import sample_images
 
-from modules import fit, make_module
+from modules import make_module
 
 
 @pytest.mark.slow

@@ -55,7 +55,8 @@ def make_plural(name: str) -> str:
 
 
 def single_object(shape: str) -> dict:
-    return {"tag": "single_object", "include": [{"class": shape, "count": 1}], "prompt": f"a photo of {with_article(shape)}"}
+    return {"tag": "single_object", "include": [{"class": shape, "count": 1}],
+            "prompt": f"a photo of {with_article(shape)}"}
 
 
 def two_object(a: str, b: str) -> dict:
@@ -75,7 +76,8 @@ def colors(color: str, shape: str) -> dict:
 
 
 def position(a: str, relation: str, b: str) -> dict:
-    return {"tag": "position", "include": [{"class": b, "count": 1}, {"class": a, "count": 1, "position": [relation, 0]}],
+    return {"tag": "position",
+            "include": [{"class": b, "count": 1}, {"class": a, "count": 1, "position": [relation, 0]}],
             "prompt": f"a photo of {with_article(a)} {relation} {with_article(b)}"}
 
 
