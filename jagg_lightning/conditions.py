@@ -8,7 +8,10 @@ source) asks :func:`condition_images`. The images are paths (read when used), PI
 
 The dataset format (``data.prompts_file: edits.jsonl``; Flow-GRPO's Kontext / Qwen-Image-Edit ``*_metadata.jsonl``
 rows work as they are): one JSON object a line with ``"prompt"`` and either ``"image"`` (one path) or ``"images"``
-(a list), paths relative to the file's folder; other keys are ignored. A folder holding ``train_metadata.jsonl``
+(a list), paths relative to the file's folder, or neither (a text-to-image row: GenEval's ``evaluation_metadata.jsonl``
+and Flow-GRPO's ``dataset/geneval`` rows, ``tag`` / ``include`` / ``exclude`` / ``prompt``). The whole row travels
+with its prompt as ``metadata`` (:func:`metadata_of`): a reward that scores against it (GenEval's rules) reads it
+there. A folder holding ``train_metadata.jsonl``
 (and ``test_metadata.jsonl``) may be named instead of the file (Flow-GRPO's layout). Every row is checked when the
 file is read -- the JSON, the prompt, each image found and decodable -- and a bad row is one error naming the file,
 the line and the field; whether the count suits the family is checked before training
@@ -29,20 +32,23 @@ from torch import Tensor
 
 
 class ConditionedPrompt(str):
-    """A prompt's text with its condition ``images`` (paths, PIL images or tensors [3, H, W] in [0, 1]) and where
-    it came from (``origin``: "file.jsonl:line", for messages). Equal to, and hashed as, its text."""
+    """A prompt's text with its condition ``images`` (paths, PIL images or tensors [3, H, W] in [0, 1]), where
+    it came from (``origin``: "file.jsonl:line", for messages) and its data row (``metadata``: plain JSON data, e.g.
+    GenEval's ``tag`` / ``include`` / ``exclude``). Equal to, and hashed as, its text."""
 
     images: tuple
     origin: str
+    metadata: dict
 
-    def __new__(cls, text: str, images=(), origin: str = ""):
+    def __new__(cls, text: str, images=(), origin: str = "", metadata: dict | None = None):
         prompt = super().__new__(cls, text)
         prompt.images = tuple(images)
         prompt.origin = origin
+        prompt.metadata = dict(metadata or {})
         return prompt
 
-    def __reduce__(self):  # pickles (DataLoader workers, gathers across processes) with its images
-        return (ConditionedPrompt, (str(self), self.images, self.origin))
+    def __reduce__(self):  # pickles (DataLoader workers, gathers across processes) with its images and metadata
+        return (ConditionedPrompt, (str(self), self.images, self.origin, self.metadata))
 
     def __repr__(self) -> str:
         return f"ConditionedPrompt({str(self)!r}, {len(self.images)} image(s){', ' + self.origin if self.origin else ''})"
@@ -51,6 +57,11 @@ class ConditionedPrompt(str):
 def images_of(prompt) -> tuple:
     """The condition images a prompt carries (none for a plain string)."""
     return getattr(prompt, "images", ())
+
+
+def metadata_of(prompt) -> dict:
+    """The data row a prompt came with (empty for a plain string)."""
+    return getattr(prompt, "metadata", None) or {}
 
 
 def where(prompt) -> str:
@@ -177,9 +188,10 @@ def _row(line: str, folder: Path, origin: str, field: str) -> ConditionedPrompt:
     text = row.get("prompt")
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"{field}: 'prompt' must be a non-blank string, got {text!r}")
-    if ("image" in row) == ("images" in row):
-        raise ValueError(f"{field}: give one of 'image' (a path) or 'images' (a list of paths), "
-                         f"got {sorted(k for k in ('image', 'images') if k in row) or 'neither'}")
+    if "image" in row and "images" in row:
+        raise ValueError(f"{field}: give one of 'image' (a path) or 'images' (a list of paths), not both")
+    if "image" not in row and "images" not in row:  # a text-to-image row; the family's count check refuses it where
+        return ConditionedPrompt(text.strip(), (), origin, row)  # a condition image is needed
     names = [row["image"]] if "image" in row else row["images"]
     key = "image" if "image" in row else "images"
     if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
@@ -197,4 +209,4 @@ def _row(line: str, folder: Path, origin: str, field: str) -> ConditionedPrompt:
         except ValueError as err:
             raise ValueError(f"{field}: {label} {str(image)!r}: {err}") from None
         paths.append(str(image))
-    return ConditionedPrompt(text.strip(), paths, origin)
+    return ConditionedPrompt(text.strip(), paths, origin, row)

@@ -220,8 +220,9 @@ class PromptDataModule(L.LightningDataModule):
         prompts: Training prompts, a list of non-blank strings (a bare string is refused, not read as one prompt
             per character); neither this nor `prompts_file` = `DEFAULT_PROMPTS`.
         prompts_file: Training prompts from a file: UTF-8, one prompt a line (relative to the working directory,
-            or a shipped name: `digits_train`, `digits_heldout`), a `.jsonl` file or a dataset folder of
-            conditioned prompts (docs/configuration.md).
+            or a shipped name: `digits_train`, `digits_heldout`, `scenes_train`, `scenes_heldout`), a `.jsonl` file
+            (conditioned prompts, or GenEval metadata rows) or a dataset folder of conditioned prompts
+            (docs/configuration.md).
         batch_size: Prompts per training step (each becomes a group), an integer >= 1.
         shuffle: Shuffle the training prompts every epoch (the order seeded per epoch by `seed`).
         seed: The seed of the prompts' epoch order (nothing of the algorithm draws from it: that is `model.seed`).

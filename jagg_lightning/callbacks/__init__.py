@@ -3,6 +3,7 @@
 from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.callbacks.digit_accuracy import DigitAccuracy
 from jagg_lightning.callbacks.exactness import ExactnessDiagnostics
+from jagg_lightning.callbacks.geneval_accuracy import GenEvalAccuracy
 from jagg_lightning.callbacks.lora_export import LoRAExport, export_lora, lora_state_dict
 from jagg_lightning.callbacks.predictions import PredictionImages
 from jagg_lightning.callbacks.preemption import Preemption
@@ -12,5 +13,5 @@ from jagg_lightning.callbacks.samples import SampleImages
 from jagg_lightning.callbacks.summary import RunSummary
 from jagg_lightning.images import log_image
 
-__all__ = ["AtomicCheckpointIO", "DigitAccuracy", "ExactnessDiagnostics", "LoRAExport", "Preemption", "PredictionImages",
-           "RewardHackingWatch", "RoutingStats", "RunSummary", "SampleImages", "export_lora", "log_image", "lora_state_dict"]
+__all__ = ["AtomicCheckpointIO", "DigitAccuracy", "ExactnessDiagnostics", "GenEvalAccuracy", "LoRAExport", "Preemption",
+           "PredictionImages", "RewardHackingWatch", "RoutingStats", "RunSummary", "SampleImages", "export_lora", "log_image", "lora_state_dict"]

@@ -1,7 +1,7 @@
 """Rewards: one file per scorer, all following :class:`Reward` (images in [0, 1], prompts -> scores [B]).
 
-The JPEG rewards need no weights, the digits reward ships its own and the OCR reward uses the models inside
-its wheel; they are registered by name. Model-based rewards take local paths and are configured by
+The JPEG rewards need no weights, the digits reward ships its own, the OCR reward uses the models inside
+its wheel and GenEval's rules read the scenes test bed exactly by default; they are registered by name. Model-based rewards take local paths and are configured by
 ``class_path`` (they import their heavy dependencies only when built), as is :class:`RemoteReward`, a
 reward scored by a ``jagg serve-reward`` server. :class:`EditFidelity` and :class:`FirstFrameConsistency` read the
 condition images conditioned prompts carry (image editing, image-to-video).
@@ -15,8 +15,8 @@ import importlib
 _PUBLIC = {
     "AestheticReward": "aesthetic", "CallableReward": "base", "Reward": "base", "check_images": "base", "to_pil": "base",
     "CLIPScoreReward": "clipscore", "EditFidelity": "conditioned", "FirstFrameConsistency": "conditioned",
-    "DigitReward": "digits", "FlowGRPOServerReward": "flow_grpo_server", "HPSv2Reward": "hpsv2",
-    "HPSv3Reward": "hpsv3", "ImageRewardReward": "imagereward",
+    "DigitReward": "digits", "FlowGRPOServerReward": "flow_grpo_server", "GenEvalReward": "geneval",
+    "HPSv2Reward": "hpsv2", "HPSv3Reward": "hpsv3", "ImageRewardReward": "imagereward",
     "JpegCompressibility": "jpeg", "JpegIncompressibility": "jpeg", "MONITOR_PREFIX": "monitor",
     "MonitoredReward": "monitor", "OcrReward": "ocr", "PickScoreReward": "pickscore",
     "REWARD_CLASSES": "registry", "build_reward": "registry", "describe_reward": "registry",

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from jagg_lightning.conditions import metadata_of
 from jagg_lightning.rewards.base import RewardError, check_images
 from jagg_lightning.rewards.monitor import MONITOR_PREFIX
 from jagg_lightning.rewards.remote import RemoteReward, _one_line
@@ -60,7 +61,9 @@ class FlowGRPOServerReward(RemoteReward):
             ``monitor/<name>_accuracy`` (logged, never in the advantages).
         metadata: GenEval only: a JSONL file of GenEval metadata records (Flow-GRPO's
             ``dataset/geneval/*_metadata.jsonl``), each with its ``prompt``; a prompt's record is sent as its
-            ``meta_datas`` entry. A prompt without a record is refused by name.
+            ``meta_datas`` entry. Prompts read from such a file as the data file carry their own record
+            (:func:`jagg_lightning.conditions.metadata_of`), which is sent first; null = only those. A prompt with
+            no record is refused by name.
         only_strict: GenEval's flag (the server then skips the non-strict accuracy; Flow-GRPO trains with True).
         batch_size: images per request, >= 1 (Flow-GRPO: 64).
         jpeg_quality: the JPEG quality the images are sent at, 1..95.
@@ -91,14 +94,11 @@ class FlowGRPOServerReward(RemoteReward):
         self.server, self.score_key = server, score_key or default_key
         self.only_strict, self.batch_size, self.jpeg_quality = bool(only_strict), int(batch_size), int(jpeg_quality)
         self.extra_fields = dict(extra_fields or {})
-        self.metadata = self._read_metadata(metadata) if server == "geneval" else None
+        self.metadata = self._read_metadata(metadata) if server == "geneval" and metadata is not None else None
         if server != "geneval" and metadata is not None:
             raise ValueError(f"reward {self.name}: metadata is GenEval's; server {server!r} takes none")
 
-    def _read_metadata(self, path: str | None) -> dict[str, dict]:
-        if path is None:
-            raise ValueError(f"reward {self.name}: server geneval needs metadata: a JSONL file of GenEval "
-                             f"metadata records (each with its 'prompt')")
+    def _read_metadata(self, path: str) -> dict[str, dict]:
         if not Path(path).is_file():
             raise FileNotFoundError(f"reward {self.name}: metadata {path!r} does not exist")
         records = {}
@@ -127,10 +127,12 @@ class FlowGRPOServerReward(RemoteReward):
         if "prompts" in self.fields:
             request["prompts"] = list(prompts)
         if "meta_datas" in self.fields:
-            missing = [p for p in prompts if p not in self.metadata]
+            records = [metadata_of(p) or (self.metadata or {}).get(p) for p in prompts]
+            missing = [p for p, record in zip(prompts, records) if not record]
             if missing:
-                raise RewardError(f"reward {self.name}: no GenEval metadata record for prompt {missing[0]!r}")
-            request["meta_datas"] = [self.metadata[p] for p in prompts]
+                raise RewardError(f"reward {self.name}: no GenEval metadata record for prompt {str(missing[0])!r} "
+                                  "(give metadata: a JSONL file of records, or such a file as the data file)")
+            request["meta_datas"] = records
         if "only_strict" in self.fields:
             request["only_strict"] = self.only_strict
         return pickle.dumps(request, protocol=PICKLE_PROTOCOL)

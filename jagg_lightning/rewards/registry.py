@@ -15,6 +15,7 @@ REWARD_CLASSES = {
     "jpeg_compressibility": "jagg_lightning.rewards.jpeg.JpegCompressibility",
     "jpeg_incompressibility": "jagg_lightning.rewards.jpeg.JpegIncompressibility",
     "digits": "jagg_lightning.rewards.digits.DigitReward",
+    "geneval": "jagg_lightning.rewards.geneval.GenEvalReward",
     "ocr": "jagg_lightning.rewards.ocr.OcrReward",
     "temporal_consistency": "jagg_lightning.rewards.video.TemporalConsistency",
 }

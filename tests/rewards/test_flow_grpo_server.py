@@ -23,6 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
+from jagg_lightning.conditions import read_conditioned_prompts
 from jagg_lightning.rewards import FlowGRPOServerReward, build_reward
 from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.rewards.wire import quantize
@@ -151,6 +152,12 @@ def test_geneval_sends_metadata_and_reports_accuracy_as_monitor(server, handler,
         reward(images[:1], ["a cow"])
     # the reward is rebuilt from what the hyper-parameters record
     assert build_reward(reward.describe()).metadata == reward.metadata
+    # prompts read from a metadata JSONL data file carry their records: no metadata file needed
+    carried = read_conditioned_prompts(metadata, "data.prompts_file")
+    FlowGRPOServerReward(server, server="geneval", retries=0)(images[:1], carried[:1])
+    assert handler.requests[-1]["meta_datas"] == [records[::-1][0]]
+    with pytest.raises(RewardError, match="no GenEval metadata record for prompt 'a cow'"):
+        FlowGRPOServerReward(server, server="geneval", retries=0)(images[:1], ["a cow"])
 
 
 def test_hostile_pickle_never_runs(server, handler, tmp_path):
@@ -204,8 +211,6 @@ def test_slow_and_dead_servers_fail_within_the_timeout(server, handler):
 def test_refuses_bad_configuration(server, tmp_path):
     with pytest.raises(ValueError, match="server must be one of"):
         FlowGRPOServerReward(server, server="pickscore")
-    with pytest.raises(ValueError, match="server geneval needs metadata"):
-        FlowGRPOServerReward(server, server="geneval")
     with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
         FlowGRPOServerReward(server, batch_size=0)
     with pytest.raises(ValueError, match="jpeg_quality must be an integer in"):

@@ -58,9 +58,11 @@ def jagg_in_process(*args, cwd, capfd, monkeypatch) -> subprocess.CompletedProce
     return subprocess.CompletedProcess(["jagg", *args], code, out, err)
 
 
-def tiny_fit_with_reward(reward: dict, tmp_path, capfd, monkeypatch) -> tuple[subprocess.CompletedProcess, object]:
-    """``jagg fit`` of the tiny SD3 for 2 steps with ``reward`` (its ``class_path`` / ``init_args``), CSV logs and the
-    adapter under ``tmp_path/run``: the run's CompletedProcess and that root."""
+def tiny_fit_with_reward(reward: dict | str, tmp_path, capfd, monkeypatch,
+                         data: dict | None = None) -> tuple[subprocess.CompletedProcess, object]:
+    """``jagg fit`` of the tiny SD3 for 2 steps with ``reward`` (its ``class_path`` / ``init_args``, or a registered
+    name), CSV logs and the adapter under ``tmp_path/run``: the run's CompletedProcess and that root. ``data``: the
+    data section's fields instead of two inline prompts."""
     import yaml
 
     root = tmp_path / "run"
@@ -73,7 +75,7 @@ def tiny_fit_with_reward(reward: dict, tmp_path, capfd, monkeypatch) -> tuple[su
         "model": {"policy": {"lora_rank": 4, "lora_alpha": 8, "guidance_scale": 1.0, "max_sequence_length": 4},
                   "sampling": {"num_steps": 3, "group_size": 2, "rollout_batch_size": 2},
                   "grpo": {"train_batch_size": 2}, "jagg": {"window_size": 2}, "reward": reward},
-        "data": {"prompts": ["a cat", "a dog"], "batch_size": 1},
+        "data": data or {"prompts": ["a cat", "a dog"], "batch_size": 1},
         "lora_export": {"dirpath": str(root / "lora")},
     }
     (tmp_path / "fit.yaml").write_text(yaml.safe_dump(config))

@@ -1,0 +1,109 @@
+"""GenEval's per-task scores on held-out prompts, logged while training: ``val/geneval/<task>`` and ``overall``.
+
+At the start of fit, every ``every_n_steps`` training steps and at the end of fit it samples the prompts of a GenEval
+metadata JSONL with fixed seeds (ODE, the policy's guidance, the inference weights:
+:func:`jagg_lightning.testbed.evaluate.sample_images`), judges them with a
+:class:`~jagg_lightning.rewards.GenEvalReward` of its own (GenEval's per-image correctness) and logs to every logger
+``val/geneval/<task>`` (each task's accuracy), ``val/geneval/overall`` (their mean over tasks, as GenEval's
+``summary_scores.py`` averages) and ``val/geneval/reward`` (the mean of the reward's ``score``: Flow-GRPO's dense
+score by default).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+
+
+class GenEvalAccuracy(L.Callback):
+    """GenEval's per-task held-out scores during fit and in validate / test.
+
+    ``history`` keeps (global step, overall score) of every evaluation, ``evaluations`` (step, the logged values).
+
+    Args:
+        prompts_file: A GenEval metadata JSONL (or a shipped name: `scenes_heldout`, the default).
+        prompts_per_task: Evaluate only this many rows of each task (evenly spaced in the file), >= 1; null = all.
+        every_n_steps: Training steps between evaluations, >= 1 (also at the start and the end of fit).
+        samples_per_prompt: Images per prompt, >= 1.
+        seed: The seed of the evaluation noise (the same every evaluation).
+        num_steps: ODE steps per image; null = `sampling.num_steps`.
+        reader: The `GenEvalReward` reader: `scenes`, `mask2former` or `owlv2`.
+        score: The `GenEvalReward` score averaged into `val/geneval/reward`: `flow_grpo`, `strict` or `geneval`.
+        detector_path: The detector's local folder (`mask2former`, `owlv2`).
+        clip_path: The CLIP colour classifier's local folder (`mask2former`, `owlv2`).
+    """
+
+    def __init__(self, prompts_file: str = "scenes_heldout", prompts_per_task: int | None = None,
+                 every_n_steps: int = 10, samples_per_prompt: int = 2, seed: int = 1234, num_steps: int | None = None,
+                 reader: str = "scenes", score: str = "flow_grpo", detector_path: str | None = None,
+                 clip_path: str | None = None):
+        super().__init__()
+        from jagg_lightning.data import read_prompts
+
+        for name, value in (("every_n_steps", every_n_steps), ("samples_per_prompt", samples_per_prompt),
+                            ("prompts_per_task", 1 if prompts_per_task is None else prompts_per_task)):
+            if value < 1:
+                raise ValueError(f"GenEvalAccuracy.{name} must be >= 1, got {value}")
+        prompts = read_prompts(prompts_file, "GenEvalAccuracy.prompts_file")
+        self.prompts = evenly_per_task(prompts, prompts_per_task)
+        self.every_n_steps, self.samples_per_prompt, self.seed = every_n_steps, samples_per_prompt, seed
+        self.num_steps = num_steps
+        self.reward_args = {"reader": reader, "score": score, "detector_path": detector_path, "clip_path": clip_path}
+        self.reward = None
+        self.history: list[tuple[int, float]] = []
+        self.evaluations: list[tuple[int, dict[str, float]]] = []  # (step, what was logged): RunSummary reads it
+        self._step = 0
+
+    def evaluate(self, trainer, pl_module, log: bool = True) -> dict[str, float]:
+        from jagg_lightning.rewards.geneval import GenEvalReward
+        from jagg_lightning.testbed.evaluate import sample_images
+
+        if self.reward is None:
+            self.reward = GenEvalReward(**self.reward_args).to(pl_module.device)
+        images = sample_images(pl_module, self.prompts, self.samples_per_prompt, self.seed, self.num_steps)
+        per_sample = [p for p in self.prompts for _ in range(self.samples_per_prompt)]
+        judged = self.reward.judge_images(images, per_sample)
+        stage = "test" if trainer.state.fn == "test" else "val"
+        metrics = GenEvalReward.metrics(judged, stage)
+        metrics[f"{stage}/geneval/reward"] = float(self.reward.scores_of(judged).mean())
+        step = trainer.global_step
+        self.history.append((step, metrics[f"{stage}/geneval/overall"]))
+        self.evaluations.append((step, metrics))
+        if log and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+        return metrics
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.state.fn not in ("validate", "test") or trainer.sanity_checking:
+            return
+        pl_module.log_dict(self.evaluate(trainer, pl_module, log=False), sync_dist=False)
+
+    on_test_epoch_end = on_validation_epoch_end
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.evaluate(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._step += 1
+        if self._step % self.every_n_steps == 0:
+            self.evaluate(trainer, pl_module)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if self._step % self.every_n_steps:
+            self.evaluate(trainer, pl_module)
+
+
+def evenly_per_task(prompts: list, per_task: int | None) -> list:
+    """``per_task`` rows of each task (``metadata["tag"]``), evenly spaced in the file's order; None = all."""
+    from jagg_lightning.conditions import metadata_of
+
+    if per_task is None:
+        return list(prompts)
+    by_task: dict[str, list] = {}
+    for p in prompts:
+        by_task.setdefault(metadata_of(p).get("tag", ""), []).append(p)
+    chosen = set()
+    for rows in by_task.values():
+        step = max(len(rows) / per_task, 1)
+        chosen |= {id(rows[int(i * step)]) for i in range(min(per_task, len(rows)))}
+    return [p for p in prompts if id(p) in chosen]

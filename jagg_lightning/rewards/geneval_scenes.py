@@ -1,0 +1,122 @@
+"""The exact reader of the scenes test bed: flat coloured shapes on a grey, lightly textured background.
+
+The vocabulary lives here (the reward must not import the test bed; :mod:`jagg_lightning.testbed.scenes` draws
+with it): ``SHAPES`` (circle, square, triangle apex up, diamond) and ``PALETTE`` (six of GenEval's ``COLORS``,
+far apart in RGB).
+
+Reading an image [H, W, 3] uint8:
+
+1. background = the per-channel median of the border pixels (the renderer keeps every object off the border);
+2. each pixel takes the nearest of the background and the palette colours (RGB distance);
+3. per colour, 4-connected components (label propagation, plain numpy); components under ``min_area`` pixels
+   (default 0.4 % of the image) are noise;
+4. per component, the box (x0, y0, x1, y1) with x1, y1 one past the last pixel (a mask's box, as mmdet's
+   Mask2Former reports it), and three features: fill = area / box area, aspect = width / height, and the centroid's
+   vertical offset from the box centre over the height (a triangle, apex up, is bottom-heavy: +1/6); the shape is the
+   nearest prototype (circle pi/4, square 1, triangle 1/2 with +1/6, diamond 1/2 with 0) in units of
+   ``FEATURE_SCALES``, and the confidence exp(-d^2 / 2) of that distance d, so a clean render reads near 1 and
+   a blob that is no shape falls under GenEval's thresholds (0.3, and 0.9 for counting).
+
+Each component is a :class:`~jagg_lightning.rewards.geneval_rules.Detection` with its mask and its colour set
+(no colour classifier is needed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from jagg_lightning.rewards.geneval_rules import Detection
+
+SHAPES = ("circle", "square", "triangle", "diamond")
+# name -> RGB; six of GenEval's COLORS, far apart from each other and from the grey background
+PALETTE = {
+    "red": (220, 40, 40), "yellow": (235, 215, 50), "green": (40, 170, 70),
+    "blue": (40, 80, 225), "purple": (150, 60, 200), "white": (250, 250, 250),
+}
+# (fill, aspect, vertical centroid offset) of each shape drawn in a square box
+PROTOTYPES = {"circle": (math.pi / 4, 1.0, 0.0), "square": (1.0, 1.0, 0.0), "triangle": (0.5, 1.0, 1 / 6),
+              "diamond": (0.5, 1.0, 0.0)}
+FEATURE_SCALES = (0.18, 0.5, 0.09)  # fill, log aspect, offset: one unit of distance each
+
+
+def connected_components(mask: np.ndarray) -> tuple[np.ndarray, int]:
+    """4-connected labels of a bool mask [H, W]: (labels 0 = off, 1..n, n)."""
+    height, width = mask.shape
+    big = height * width + 1
+    labels = np.where(mask, np.arange(1, height * width + 1).reshape(height, width), big)
+    while True:  # every pixel takes its neighbours' smallest label until nothing changes (<= the longest path)
+        padded = np.pad(labels, 1, constant_values=big)
+        smallest = np.minimum.reduce([labels, padded[:-2, 1:-1], padded[2:, 1:-1], padded[1:-1, :-2],
+                                      padded[1:-1, 2:]])
+        smallest = np.where(mask, smallest, big)
+        if np.array_equal(smallest, labels):
+            break
+        labels = smallest
+    found = np.unique(labels[mask])
+    relabelled = np.zeros((height, width), dtype=np.int64)
+    relabelled[mask] = np.searchsorted(found, labels[mask]) + 1
+    return relabelled, len(found)
+
+
+def shape_of(component: np.ndarray) -> tuple[str, float, tuple[float, float, float, float]]:
+    """(shape, confidence, box) of one component's mask [H, W] (see the module docstring)."""
+    ys, xs = np.nonzero(component)
+    x0, x1, y0, y1 = xs.min(), xs.max() + 1, ys.min(), ys.max() + 1
+    width, height = x1 - x0, y1 - y0
+    fill = len(xs) / float(width * height)
+    offset = ((ys + 0.5).mean() - (y0 + y1) / 2) / height
+    features = np.array([fill, math.log(width / height), offset])
+    best, best_d2 = SHAPES[0], math.inf
+    for name in SHAPES:
+        fill0, aspect0, offset0 = PROTOTYPES[name]
+        d2 = float(np.sum(((features - np.array([fill0, math.log(aspect0), offset0])) / FEATURE_SCALES) ** 2))
+        if d2 < best_d2:
+            best, best_d2 = name, d2
+    return best, math.exp(-best_d2 / 2), (float(x0), float(y0), float(x1), float(y1))
+
+
+class SceneReader:
+    """Detections by shape name from a rendered scene (see the module docstring).
+
+    Args:
+        min_area: The fewest pixels of a component read as an object; null = 0.4 % of the image (4 px at 32 px).
+    """
+
+    classnames = SHAPES
+
+    def __init__(self, min_area: int | None = None):
+        self.min_area = min_area
+
+    def pixel_colors(self, image: np.ndarray) -> np.ndarray:
+        """[H, W] index of each pixel's nearest colour: 0 = the background, 1.. = ``PALETTE`` in order."""
+        pixels = image.astype(np.float32)
+        border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
+        references = np.stack([np.median(border, axis=0), *[np.array(c, np.float32) for c in PALETTE.values()]])
+        distances = ((pixels[:, :, None, :] - references[None, None]) ** 2).sum(-1)
+        return distances.argmin(-1)
+
+    def detect(self, images: list[np.ndarray],
+               wanted: list[list[str]] | None = None) -> list[dict[str, list[Detection]]]:
+        """:meth:`read` of each image (every shape is read; ``wanted`` is the readers' common signature)."""
+        return [self.read(image) for image in images]
+
+    def read(self, image: np.ndarray) -> dict[str, list[Detection]]:
+        """``image`` [H, W, 3] uint8 -> {shape: [Detection, ...]} with masks and colours."""
+        nearest = self.pixel_colors(image)
+        min_area = self.min_area if self.min_area is not None else max(4, round(0.004 * nearest.size))
+        found: dict[str, list[Detection]] = {}
+        for index, color in enumerate(PALETTE, start=1):
+            labels, count = connected_components(nearest == index)
+            for label in range(1, count + 1):
+                component = labels == label
+                if component.sum() < min_area:
+                    continue
+                shape, confidence, box = shape_of(component)
+                found.setdefault(shape, []).append(Detection(box, confidence, component, color))
+        return found
+
+    def colors(self, image: np.ndarray, found: list[Detection], classname: str) -> list[str]:
+        """Every detection's colour is set by :meth:`detect`; this is its list."""
+        return [d.color for d in found]

@@ -1,0 +1,141 @@
+"""Scene specs and their Pillow rendering: flat shapes on a grey, lightly textured background, from a seed.
+
+A :class:`Scene` is plain data (its objects' shape, colour, centre and size in pixels, the background grey and
+its texture amplitude); :func:`render` draws it without anti-aliasing, so every object pixel has its palette colour
+exactly (what :class:`~jagg_lightning.rewards.geneval_scenes.SceneReader` reads back). :func:`scene_for` builds a
+scene that satisfies a GenEval metadata row (its include clauses: classes, counts, colours, relations; nothing
+else in the picture), drawing positions, jitter and sizes from a ``numpy`` generator: the same seed, the same
+scene.
+
+Placement: object sides are drawn in [``min_fraction``, ``max_fraction``] of the image side; centres uniformly,
+each box at least ``margin`` pixels off the border and ``gap`` pixels from every other box (so objects of one
+colour never touch and the reader's components are the objects). A relation is placed by rejection against
+GenEval's own :func:`~jagg_lightning.rewards.geneval_rules.relative_position` with a doubled margin (0.2), so
+it holds with room to spare.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from jagg_lightning.rewards.geneval_rules import Detection, relative_position
+from jagg_lightning.rewards.geneval_scenes import PALETTE, SHAPES
+
+PLACEMENT_TRIES = 400
+
+
+@dataclass
+class SceneObject:
+    """One object: ``shape`` (of ``SHAPES``), ``color`` (of ``PALETTE``), centre (``x``, ``y``), ``size`` (side of
+    its square box), all in pixels."""
+
+    shape: str
+    color: str
+    x: float
+    y: float
+    size: float
+
+    def box(self) -> tuple[float, float, float, float]:
+        half = self.size / 2
+        return (self.x - half, self.y - half, self.x + half, self.y + half)
+
+
+@dataclass
+class Scene:
+    """Objects on a background: ``side`` pixels square, grey level ``background``, per-pixel noise of at most
+    ``texture`` grey levels (0 = plain), drawn from ``texture_seed``."""
+
+    side: int
+    objects: list[SceneObject] = field(default_factory=list)
+    background: int = 128
+    texture: int = 0
+    texture_seed: int = 0
+
+
+def render(scene: Scene) -> Image.Image:
+    """The scene as an RGB image (no anti-aliasing: object pixels are exact palette colours)."""
+    rng = np.random.default_rng(scene.texture_seed)
+    noise = rng.integers(-scene.texture, scene.texture + 1, size=(scene.side, scene.side, 1)) if scene.texture else 0
+    base = np.clip(np.full((scene.side, scene.side, 3), scene.background) + noise, 0, 255).astype(np.uint8)
+    image = Image.fromarray(base, "RGB")
+    draw = ImageDraw.Draw(image)
+    for obj in scene.objects:
+        x0, y0, x1, y1 = (round(v) for v in obj.box())
+        x1, y1 = x1 - 1, y1 - 1  # Pillow's boxes include their last pixel
+        fill = PALETTE[obj.color]
+        if obj.shape == "circle":
+            draw.ellipse((x0, y0, x1, y1), fill=fill)
+        elif obj.shape == "square":
+            draw.rectangle((x0, y0, x1, y1), fill=fill)
+        elif obj.shape == "triangle":
+            draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=fill)
+        elif obj.shape == "diamond":
+            cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
+            draw.polygon([(cx, y0), (x1, cy), (cx, y1), (x0, cy)], fill=fill)
+        else:
+            raise ValueError(f"scene object shape must be one of {SHAPES}, got {obj.shape!r}")
+    return image
+
+
+def _apart(box, others, gap: float) -> bool:
+    return all(box[2] + gap <= o[0] or o[2] + gap <= box[0] or box[3] + gap <= o[1] or o[3] + gap <= box[1]
+               for o in others)
+
+
+def _holds(objects: list[SceneObject], relations: list[tuple[int, str, int]]) -> bool:
+    def as_detection(obj):
+        return Detection(obj.box(), 1.0)
+    return all(rel in relative_position(as_detection(objects[a]), as_detection(objects[b]), 0.2)
+               for a, rel, b in relations)
+
+
+def place(wanted: list[tuple[str, str]], rng: np.random.Generator, side: int = 64,
+          relations: list[tuple[int, str, int]] = (), min_fraction: float = 0.18, max_fraction: float = 0.3,
+          margin: int = 2, gap: int = 3) -> list[SceneObject]:
+    """Objects of the given (shape, colour) with sizes and positions drawn from ``rng``: apart by ``gap`` pixels,
+    ``margin`` off the border, and each relation (object a, "left of" | "right of" | "above" | "below", object b)
+    holding (see the module docstring). Sizes shrink by a tenth after every ``PLACEMENT_TRIES`` failed tries."""
+    shrink = 1.0
+    for _ in range(8):
+        for _ in range(PLACEMENT_TRIES):
+            objects = []
+            for shape, color in wanted:
+                size = float(round(side * shrink * rng.uniform(min_fraction, max_fraction)))
+                size = max(size, 9.0)
+                low, high = margin + size / 2, side - margin - size / 2
+                for _ in range(50):
+                    x, y = round(rng.uniform(low, high)), round(rng.uniform(low, high))
+                    obj = SceneObject(shape, color, float(x), float(y), size)
+                    if _apart(obj.box(), [o.box() for o in objects], gap):
+                        objects.append(obj)
+                        break
+                else:
+                    break
+            if len(objects) == len(wanted) and _holds(objects, list(relations)):
+                return objects
+        shrink *= 0.9
+    raise RuntimeError(f"could not place {wanted} with relations {list(relations)} in {side} px")
+
+
+def scene_for(metadata: dict, rng: np.random.Generator, side: int = 64, texture: int = 6) -> Scene:
+    """A scene that satisfies a GenEval metadata row exactly: each include clause's ``count`` objects of its class,
+    in its colour (else one drawn from the palette), in its relation to the first object of the target clause; the
+    background grey drawn in [96, 160], textured with probability 1/2."""
+    wanted, first_of, relations = [], [], []
+    for req in metadata["include"]:
+        first_of.append(len(wanted))
+        for _ in range(req["count"]):
+            color = req.get("color") or list(PALETTE)[int(rng.integers(len(PALETTE)))]
+            wanted.append((req["class"], color))
+    for i, req in enumerate(metadata["include"]):
+        if "position" in req:
+            rel, target = req["position"]
+            target_count = metadata["include"][target]["count"]
+            relations += [(first_of[i] + k, rel, first_of[target] + j)
+                          for k in range(req["count"]) for j in range(target_count)]
+    objects = place(wanted, rng, side, relations)
+    background = int(rng.integers(96, 161))
+    return Scene(side, objects, background, texture if rng.random() < 0.5 else 0, int(rng.integers(2**31)))

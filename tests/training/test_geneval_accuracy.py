@@ -1,0 +1,41 @@
+"""GenEvalAccuracy: GenEval's per-task held-out scores of the policy's own samples, logged during fit."""
+
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+
+from jagg_lightning.callbacks import GenEvalAccuracy
+from jagg_lightning.rewards import GenEvalReward
+from jagg_lightning.rewards.geneval_rules import TASKS
+from jagg_lightning.testbed.evaluate import sample_images
+
+from modules import make_module
+
+
+@pytest.mark.slow
+def test_per_task_scores_of_the_models_samples_are_logged(tmp_path, rng_seed):
+    """One row per task of the scenes' held-out file, evaluated at the start and after each step; the last
+    evaluation equals GenEval's rules applied by hand to the same samples (same seed, same weights)."""
+    import lightning as L
+
+    from jagg_lightning.data import PromptDataModule
+
+    module = make_module(rng_seed)
+    callback = GenEvalAccuracy(prompts_per_task=1, every_n_steps=1, samples_per_prompt=1, seed=rng_seed, num_steps=3)
+    assert sorted(p.metadata["tag"] for p in callback.prompts) == sorted(TASKS)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=CSVLogger(tmp_path), callbacks=[callback],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, PromptDataModule(prompts=["a red cat", "a blue dog"], batch_size=2, shuffle=False))
+    assert [step for step, _ in callback.history] == [0, 1]
+    step, logged = callback.evaluations[-1]
+    assert set(logged) == {f"val/geneval/{t}" for t in (*TASKS, "overall", "reward")}
+    images = sample_images(module, callback.prompts, 1, rng_seed, 3)
+    judged = GenEvalReward().judge_images(images, callback.prompts)
+    expected = GenEvalReward.metrics(judged)
+    assert {k: v for k, v in logged.items() if k != "val/geneval/reward"} == pytest.approx(expected)
+    assert logged["val/geneval/reward"] == pytest.approx(sum(j.score for j in judged) / len(judged))
+    assert "val/geneval/overall" in (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="GenEvalAccuracy.prompts_per_task must be >= 1"):
+        GenEvalAccuracy(prompts_per_task=0)
