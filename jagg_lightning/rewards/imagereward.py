@@ -174,7 +174,7 @@ class ImageRewardReward(Reward):
         return pixels, text["input_ids"], text["attention_mask"]
 
     def features(self, pixels: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
-        """The text encoder's last hidden state at [CLS] [B, D], cross-attending to every ViT output token."""
+        """The text encoder's last hidden state at [CLS], shape [B, D], cross-attending to every ViT output token."""
         weight = self.vision.embeddings.patch_embedding.weight
         image_embeds = self.vision(pixel_values=pixels.to(weight.device, weight.dtype)).last_hidden_state
         image_mask = torch.ones(image_embeds.shape[:-1], dtype=torch.long, device=weight.device)
