@@ -10,7 +10,7 @@ from jagg_lightning.callbacks.reward_watch import RewardHackingWatch
 from jagg_lightning.callbacks.routing import RoutingStats
 from jagg_lightning.callbacks.samples import SampleImages
 from jagg_lightning.callbacks.summary import RunSummary
-from jagg_lightning.images import log_image
+from jagg_lightning.training.images import log_image
 
 __all__ = ["AtomicCheckpointIO", "DigitAccuracy", "ExactnessDiagnostics", "LoRAExport", "Preemption", "PredictionImages",
            "RewardHackingWatch", "RoutingStats", "RunSummary", "SampleImages", "export_lora", "log_image", "lora_state_dict"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from jagg_lightning.checks import check
 from jagg_lightning.config.evaluation import EvalConfig
 from jagg_lightning.config.grpo import GRPOConfig
 from jagg_lightning.config.jagg import JAGGConfig
@@ -21,7 +20,8 @@ from jagg_lightning.config.memory import ANCHOR_PASSES, MemoryConfig
 from jagg_lightning.config.objective import ObjectiveConfig
 from jagg_lightning.config.policy import PolicyConfig, check_resolution_field, image_size
 from jagg_lightning.config.sampling import SamplingConfig
-from jagg_lightning.grpo import check_variants
+from jagg_lightning.method.grpo import check_variants
+from jagg_lightning.utils.checks import check
 
 __all__ = ["ANCHOR_PASSES", "EvalConfig", "GRPOConfig", "JAGGConfig", "MemoryConfig", "ObjectiveConfig", "PolicyConfig",
            "SamplingConfig", "as_config", "check_fused", "check_resolution_field", "check_sections", "image_size"]

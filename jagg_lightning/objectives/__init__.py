@@ -1,5 +1,5 @@
 """Objectives behind one interface (``objectives/base.py``), one file each, chosen by ``objective.name``: what a
-scored rollout becomes as a loss. "grpo" (the default, :class:`~jagg_lightning.update.Updater`), "nft" (DiffusionNFT)
+scored rollout becomes as a loss. "grpo" (the default, :class:`~jagg_lightning.training.update.Updater`), "nft" (DiffusionNFT)
 and "awm" (Advantage Weighted Matching), the last two sharing the forward-process update (``forward_process.py``).
 
 To add one, write ``objectives/<name>.py`` with an :class:`Objective` subclass and add it to :data:`OBJECTIVES`.

@@ -13,9 +13,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from jagg_lightning.assets import find_local
 from jagg_lightning.config import PolicyConfig
 from jagg_lightning.policies.base import Policy
+from jagg_lightning.utils.assets import find_local
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ def test_lightning_names_the_sharded_checkpoint_metadata_as_we_do():
     ModelParallelStrategy writes beside the shards)."""
     from lightning.fabric.utilities import load
 
-    from jagg_lightning.sharded_checkpoint import METADATA_FILE
+    from jagg_lightning.distributed.sharded_checkpoint import METADATA_FILE
 
     assert getattr(load, "_METADATA_FILENAME", None) == METADATA_FILE, (
         "Lightning renamed the sharded checkpoint's metadata file: update sharded_checkpoint.METADATA_FILE")
@@ -142,7 +142,7 @@ def test_torch_keeps_what_regional_compilation_reads():
     from torch import nn
     from torch._dynamo.utils import counters
 
-    from jagg_lightning.compiling import compile_counts, is_compiled
+    from jagg_lightning.models.compiling import compile_counts, is_compiled
 
     assert isinstance(torch._dynamo.config.recompile_limit, int), \
         "torch renamed torch._dynamo.config.recompile_limit: compiling.compile_policy raises it"
