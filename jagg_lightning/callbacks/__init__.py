@@ -1,4 +1,6 @@
-"""Lightning callbacks: they read what JAGGModule exposes and never reach into rollout internals."""
+"""Lightning callbacks: they read what JAGGModule exposes and never reach into rollout internals. A new callback goes
+here (exported below, documented in docs/callbacks.md). They may import anything but ``cli/``; nothing in the core
+imports them."""
 
 from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.callbacks.digit_accuracy import DigitAccuracy

@@ -14,6 +14,11 @@ Ctrl-C (SIGINT) ends any of them with one ``jagg ...`` line, no traceback, and e
 SIGTERM's stop is 143). During ``fit`` the first Ctrl-C stops at the next safe point with a checkpoint, as a
 scheduler's SIGTERM does (:class:`~jagg_lightning.callbacks.Preemption`); a second one stops at once, through
 Lightning's own graceful shutdown (``on_exception`` callbacks, e.g. ``OnExceptionCheckpoint``).
+
+The folder is the command line, a new subcommand's module goes here: LightningCLI over ``JAGGModule`` and
+``PromptDataModule`` (``lightning_cli.py``), ``jagg plan`` (``plan.py``), one run per output folder
+(``outputs.py``), one ``jagg: error:`` line per bad value (``errors.py``) and the warnings known harmless
+(``quiet.py``). It may import anything in the package; nothing in the package imports it but ``__main__``.
 """
 
 from __future__ import annotations

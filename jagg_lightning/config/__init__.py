@@ -6,7 +6,10 @@ before any model exists: a bad value fails with a message naming the field and t
 Each section's docstring is the one description of its fields: Google style (a short first line, the prose and
 math of the section, then ``Attributes:`` with one entry per field), read by ``jagg fit --help`` (jsonargparse) and
 by the API reference (mkdocstrings). docs/configuration.md tables every field (tests/cli/test_help.py holds the
-three together). Every name stays importable from here (``from jagg_lightning.config import GRPOConfig``).
+three together). Every name stays importable from here (``from jagg_lightning.config import GRPOConfig``). A
+renamed key and the root seed's streams: ``old_keys.py``. It may import ``utils/``, ``method/`` (the step kinds,
+estimators and GRPO variants its checks name) and ``models/`` (the compile and full fine-tune options); no I/O,
+no Lightning.
 """
 
 from __future__ import annotations

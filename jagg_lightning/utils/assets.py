@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # jagg_lightning/ (this file is in utils/)
 TESTBED_DIR = PACKAGE_DIR / "testbed"
 SHIPPED = {
     "digits": TESTBED_DIR / "digits_sd3",
