@@ -58,7 +58,7 @@ class Preemption(L.Callback):
 
     def checkpoint_file(self, trainer) -> Path:
         """Where a stop writes its checkpoint outside SLURM (``--ckpt_path last`` considers it:
-        cli_lightning.py)."""
+        cli/lightning_cli.py)."""
         return Path(self.dirpath or Path(trainer.default_root_dir) / "checkpoints") / f"{self.filename}.ckpt"
 
     # ------------------------------------------------------------------ handlers

@@ -28,7 +28,7 @@ The base class then provides loading (``load_pipeline``: diffusers' own ``from_p
 weights whatever the frozen dtype, float64 with float64; or ``full_finetune.train_in_full``), ``lora_parameters``,
 ``adapter_disabled`` (the KL reference; ``reference.py`` for a full fine-tune), ``enable_gradient_checkpointing``,
 ``guidance`` and ``schedule`` -- all over ``trained_networks()``. The config (``config.PolicyConfig``) checks its
-fields alone; what its files say is checked by ``policy_checks.check_policy``.
+fields alone; what its files say is checked by ``policies.checks.check_policy``.
 
 Contract details the engine relies on:
 
