@@ -25,7 +25,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "support"), str(REPO / "tests" /
 from helpers import randomize_lora_b, rel_error, tiny_policy_config  # noqa: E402
 from test_cfg_one_batch import FAMILIES, PROMPTS  # noqa: E402  (each family's twin with guidance on)
 
-from jagg_lightning.compiling import compile_counts, compile_policy  # noqa: E402
+from jagg_lightning.models.compiling import compile_counts, compile_policy  # noqa: E402
 from jagg_lightning.policies import build_policy  # noqa: E402
 
 FAMILIES = dict(FAMILIES, flux=dict(lora_targets=None, guidance_scale=3.5), sd35=None)

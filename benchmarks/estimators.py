@@ -182,9 +182,9 @@ def group_rows(module, mb, cond, loss, trained, seed, group, sums: dict) -> list
 
 
 def run(args) -> list[dict]:
-    from jagg_lightning.batching import batch_slice
     from jagg_lightning.data import read_prompts
     from jagg_lightning.testbed.evaluate import module_from_config
+    from jagg_lightning.utils.batching import batch_slice
 
     torch.set_num_threads(1)
     cfg = yaml.safe_load(Path(args.config).read_text())

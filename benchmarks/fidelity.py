@@ -55,9 +55,9 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 def gradient_fidelity(module, prompts: list[str], indices: list[int], step: int, windows: list[int]) -> list[dict]:
     """Exact vs JAGG per window and per GRPO group on a fresh rollout at the current theta."""
-    from jagg_lightning.batching import batch_slice
-    from jagg_lightning.jagg import check_window_gradients, plan_windows
-    from jagg_lightning.routing import cosine_score, interpolation_residual
+    from jagg_lightning.method.jagg import check_window_gradients, plan_windows
+    from jagg_lightning.method.routing import cosine_score, interpolation_residual
+    from jagg_lightning.utils.batching import batch_slice
 
     traj, cond, _, rewards, _ = module.sampler.rollout_and_score(prompts, indices, 10_000 + step,
                                                                  reward=module.reward_fn)

@@ -26,9 +26,9 @@ def nbytes(tensors) -> int:
 
 def measure(pretrained, trainable: str, dtype: str) -> dict:
     from jagg_lightning import SamplingConfig
+    from jagg_lightning.models.reference import attach_reference
     from jagg_lightning.policies import PolicyConfig, build_policy
-    from jagg_lightning.reference import attach_reference
-    from jagg_lightning.sampler import Sampler
+    from jagg_lightning.training.sampler import Sampler
 
     extra = {"trainable": "full"} if trainable == "full" else {}
     policy = build_policy(PolicyConfig(pretrained=pretrained, guidance_scale=1.0, max_sequence_length=4, dtype=dtype,

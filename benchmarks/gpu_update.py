@@ -21,7 +21,7 @@ update are printed, with the backward / forward passes the engine counted.
     torchrun --nproc_per_node 2 benchmarks/gpu_update.py --model wan21_1_3b --tiny --context-parallel 2  # CPU
 
 ``--context-parallel C`` (under ``torchrun --nproc_per_node C``, one GPU per rank): the transformer runs under
-diffusers' context parallelism (``jagg_lightning.context_parallel``; ``--context-kind`` ulysses or ring, ring needing
+diffusers' context parallelism (``jagg_lightning.distributed.context_parallel``; ``--context-kind`` ulysses or ring, ring needing
 an attention backend that returns the log-sum-exp: ``--attention-backend _native_cudnn``, ``_native_flash`` or
 ``flash``). Every rank holds the same rollout (the same seeds); the update's gradients are summed over the context
 ranks inside the timed region (the one all-reduce a training step makes). Before the table, rank 0 prints the
@@ -50,11 +50,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from jagg_lightning.grpo import StepRecord, step_loss
-from jagg_lightning.jagg import accumulate_gradients, plan_windows
-from jagg_lightning.routing import interpolation_residual, route_windows
-from jagg_lightning.rollout import sample_generators, sample_trajectories
-from jagg_lightning.sde import flow_match_sigmas
+from jagg_lightning.method.grpo import StepRecord, step_loss
+from jagg_lightning.method.jagg import accumulate_gradients, plan_windows
+from jagg_lightning.method.routing import interpolation_residual, route_windows
+from jagg_lightning.method.sde import flow_match_sigmas
+from jagg_lightning.training.rollout import sample_generators, sample_trajectories
 
 SD35_MEDIUM = dict(  # stabilityai/stable-diffusion-3.5-medium transformer/config.json
     sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
@@ -156,7 +156,7 @@ def main() -> None:
         if cuda:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
-        from jagg_lightning.context_parallel import build
+        from jagg_lightning.distributed.context_parallel import build
 
         context = build(args.context_parallel, args.context_kind, device, args.attention_backend)
     say = print if context is None or dist.get_rank() == 0 else (lambda *a, **k: None)

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def update_gradient(module, traj, cond, advantages, ref, policy_term: bool = True) -> torch.Tensor:
     """The first-update JAGG gradient over the whole rollout, flattened (weights and .grad untouched)."""
-    from jagg_lightning.jagg import flat_gradient
+    from jagg_lightning.method.jagg import flat_gradient
 
     adv = advantages if policy_term else torch.zeros_like(advantages)
     mb = copy.copy(traj)
@@ -41,10 +41,10 @@ def measure(seed: int, train_steps: int) -> dict:
     import lightning as L
 
     from jagg_lightning.data import PromptDataModule, read_prompts
-    from jagg_lightning.jagg import gradient_agreement
-    from jagg_lightning.passes import pass_steps_before_routing
-    from jagg_lightning.rollout import plan_rollout
+    from jagg_lightning.method.jagg import gradient_agreement
     from jagg_lightning.testbed.evaluate import module_from_config
+    from jagg_lightning.training.passes import pass_steps_before_routing
+    from jagg_lightning.training.rollout import plan_rollout
 
     torch.manual_seed(seed)
     module, _ = module_from_config(ROOT / "configs/digits_fidelity.yaml", seed=seed, window_size=4, jagg_frac=1.0)

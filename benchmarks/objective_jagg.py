@@ -20,7 +20,7 @@ import torch
 
 def gradient(updater, params, x0, eps, adv, cond, times, jagg: bool) -> tuple[torch.Tensor, float]:
     """The flat LoRA gradient of one update over the samples, and its process CPU seconds."""
-    from jagg_lightning.update import StepReport
+    from jagg_lightning.training.update import StepReport
 
     updater.config.jagg = jagg
     total = [torch.zeros_like(p) for p in params]

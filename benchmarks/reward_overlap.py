@@ -32,8 +32,8 @@ from helpers import randomize_lora_b, tiny_policy_config  # noqa: E402
 
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig# noqa: E402
 from jagg_lightning.rewards import RemoteReward  # noqa: E402
-from jagg_lightning.rollout import plan_rollout  # noqa: E402
-from jagg_lightning.update import UpdateHooks  # noqa: E402
+from jagg_lightning.training.rollout import plan_rollout  # noqa: E402
+from jagg_lightning.training.update import UpdateHooks  # noqa: E402
 
 PROMPTS = ['a sign that says "open late"', 'a poster with the word "jagg"', 'a mug printed "hello"',
            'a banner reading "sale"']

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from jagg_lightning.jagg import accumulate_gradients
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.method.jagg import accumulate_gradients
 from jagg_lightning.policies import PolicyConfig
 
 CONFIGS = {

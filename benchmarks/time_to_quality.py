@@ -83,7 +83,7 @@ B_OVER_F = 1.2
 def pass_steps(name: str, trained: int) -> float:
     """Pass steps per sample and training step (a batched anchor pair counts 2; expectation for the control
     variate) when ``trained`` steps are trained."""
-    from jagg_lightning.jagg import plan_windows
+    from jagg_lightning.method.jagg import plan_windows
 
     sampling, jagg = SETTINGS[name]
     trained = sampling.get("trained_steps", trained)
@@ -171,7 +171,7 @@ def run(args) -> dict:
 
     torch.set_num_threads(1)
     base_cfg = yaml.safe_load(Path(args.config).read_text())
-    prompts = read_prompts(base_cfg["data"]["prompts_file"])  # a shipped name or a path (jagg_lightning.assets)
+    prompts = read_prompts(base_cfg["data"]["prompts_file"])  # a shipped name or a path (jagg_lightning.utils.assets)
     reward, judge = DigitReward(), load_judge()
     eval_prompts = digit_prompts(HELDOUT_TEMPLATES)
     out = Path(args.out) / args.name

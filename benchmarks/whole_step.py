@@ -100,10 +100,10 @@ def child(args) -> None:
     import torch
     from lightning.pytorch.callbacks import Callback
 
-    from jagg_lightning.compiling import compile_counts
+    from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
     from jagg_lightning.data import PromptDataModule
     from jagg_lightning.memory_plan.trace import SavedTensorPeak, weight_keys
-    from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+    from jagg_lightning.models.compiling import compile_counts
     from jagg_lightning.policies import PolicyConfig
 
     torch.set_num_threads(1)

@@ -2,6 +2,13 @@
 
 The public names are imported on first use (PEP 562): ``import jagg_lightning`` and ``__version__`` import no torch,
 so ``jagg --help`` answers at once; ``from jagg_lightning import JAGGModule`` imports what it names.
+
+What a user hands the Trainer is at the top: ``module.py`` (``JAGGModule``) and ``data.py`` (``PromptDataModule``).
+The rest is in folders by concern, each ``__init__`` saying what lives there and what it may import
+(docs/architecture.md maps them): ``utils/`` (leaves), ``faults/``, ``method/`` (the math; ``method/estimators/``),
+``models/``, ``config/``, ``policies/`` (families), ``rewards/``, ``distributed/`` (strategies), ``training/``
+(the step), ``objectives/``, ``memory_plan/``, ``testbed/``, ``callbacks/`` and ``cli/`` (subcommands).
+``strategies.py`` is a re-export kept for the path configs name.
 """
 
 __version__ = "0.2.0"

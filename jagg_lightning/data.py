@@ -6,7 +6,7 @@ rollout noise, so it must identify the prompt (not its position in the batch). A
 (a DataLoader over a list of prompts) or ``{"prompt": [...]}`` without indices is accepted too: each prompt's
 index is then :func:`prompt_index` of its text, which survives shuffling, resuming, batch size and the number
 of processes. Validation and predict loaders follow the same contract. A conditioned prompt (image editing,
-image-to-video: :class:`jagg_lightning.conditions.ConditionedPrompt`, a ``str`` carrying its condition images, what a
+image-to-video: :class:`jagg_lightning.models.conditions.ConditionedPrompt`, a ``str`` carrying its condition images, what a
 ``.jsonl`` data file or dataset folder gives) travels the same way, its images with it.
 
 The loader is resumable: Lightning saves its ``state_dict`` (epoch and batches consumed) in every
@@ -24,16 +24,16 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from jagg_lightning.conditions import ConditionedPrompt
+from jagg_lightning.models.conditions import ConditionedPrompt
 
 
 def read_prompts(path: str | Path, field: str = "data.prompts_file", split: str = "train") -> list[str]:
     """Non-empty, stripped lines of a UTF-8 text file (a shipped name such as ``digits_heldout``, a path from the
-    working directory or from the package's directory: :mod:`jagg_lightning.assets`); a ``.jsonl`` file or a
-    dataset folder: conditioned prompts (:func:`jagg_lightning.conditions.read_conditioned_prompts`, its ``split``'s
+    working directory or from the package's directory: :mod:`jagg_lightning.utils.assets`); a ``.jsonl`` file or a
+    dataset folder: conditioned prompts (:func:`jagg_lightning.models.conditions.read_conditioned_prompts`, its ``split``'s
     ``<split>_metadata.jsonl`` in a folder)."""
-    from jagg_lightning.assets import find_local, resolve_path
-    from jagg_lightning.conditions import read_conditioned_prompts
+    from jagg_lightning.models.conditions import read_conditioned_prompts
+    from jagg_lightning.utils.assets import find_local, resolve_path
 
     found = find_local(path)
     if found is not None and (found.is_dir() or found.suffix == ".jsonl"):

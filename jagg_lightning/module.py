@@ -31,33 +31,34 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from jagg_lightning import preemption, state
-from jagg_lightning.checks import (
+from jagg_lightning.config import EvalConfig, GRPOConfig, JAGGConfig, MemoryConfig, SamplingConfig, as_config, check_sections
+from jagg_lightning.config.objective import ObjectiveConfig
+from jagg_lightning.config.old_keys import move_old_keys, resolve_seeds
+from jagg_lightning.data import unpack_prompt_batch
+from jagg_lightning.distributed.collectives import Collectives, destroy_process_group_at_exit
+from jagg_lightning.distributed.strategies import shard_policy
+from jagg_lightning.faults import preemption
+from jagg_lightning.method.jagg import Window, WindowGradientCheck, WindowRecord
+from jagg_lightning.method.routing import rounding_note
+from jagg_lightning.models.compiling import compile_policy
+from jagg_lightning.models.conditions import check_data_conditions
+from jagg_lightning.models.reference import attach_reference, reference_networks
+from jagg_lightning.objectives import build_objective
+from jagg_lightning.policies import Policy, PolicyConfig, build_policy, policy_class
+from jagg_lightning.policies.checks import check_policy
+from jagg_lightning.rewards import Reward, build_reward, describe_reward
+from jagg_lightning.training import state
+from jagg_lightning.training.ema import LoRAEMA
+from jagg_lightning.training.grids import weights_label
+from jagg_lightning.training.images import log_dir, write_image
+from jagg_lightning.training.metrics import EvalSums, FirstUpdateRatioCheck, train_metrics
+from jagg_lightning.training.rollout import RolloutBatch, RolloutPlan, plan_rollout
+from jagg_lightning.training.sampler import EVAL_STEP, Sampler
+from jagg_lightning.training.update import StepReport, UpdateHooks
+from jagg_lightning.utils.checks import (
     check, check_learning_rates, check_optimizer, check_precision, check_strategy, default_optimizer,
 )
-from jagg_lightning.collectives import Collectives, destroy_process_group_at_exit
-from jagg_lightning.compiling import compile_policy
-from jagg_lightning.config import EvalConfig, GRPOConfig, JAGGConfig, MemoryConfig, SamplingConfig, as_config, check_sections
-from jagg_lightning.conditions import check_data_conditions
-from jagg_lightning.data import unpack_prompt_batch
-from jagg_lightning.dtypes import compute_dtype
-from jagg_lightning.ema import LoRAEMA
-from jagg_lightning.grids import weights_label
-from jagg_lightning.images import log_dir, write_image
-from jagg_lightning.jagg import Window, WindowGradientCheck, WindowRecord
-from jagg_lightning.metrics import EvalSums, FirstUpdateRatioCheck, train_metrics
-from jagg_lightning.config.objective import ObjectiveConfig
-from jagg_lightning.objectives import build_objective
-from jagg_lightning.old_keys import move_old_keys, resolve_seeds
-from jagg_lightning.policies import Policy, PolicyConfig, build_policy, policy_class
-from jagg_lightning.policy_checks import check_policy
-from jagg_lightning.reference import attach_reference, reference_networks
-from jagg_lightning.rewards import Reward, build_reward, describe_reward
-from jagg_lightning.rollout import RolloutBatch, RolloutPlan, plan_rollout
-from jagg_lightning.routing import rounding_note
-from jagg_lightning.sampler import EVAL_STEP, Sampler
-from jagg_lightning.strategies import shard_policy
-from jagg_lightning.update import StepReport, UpdateHooks
+from jagg_lightning.utils.dtypes import compute_dtype
 
 __all__ = ["JAGGModule"]
 
@@ -94,7 +95,7 @@ def _to_arguments(args: tuple, kwargs: dict) -> tuple:
 
 def say_jagg_frac_rounding(module) -> None:
     """On the first process, one line when ``jagg.jagg_frac`` rounds to every or no window of the module's next
-    rollout (the main job: 0.5 of one window routes it; :func:`jagg_lightning.routing.rounding_note`)."""
+    rollout (the main job: 0.5 of one window routes it; :func:`jagg_lightning.method.routing.rounding_note`)."""
     plan = plan_rollout(module.sampling, module.jagg, module.global_step, module.rollouts_done,
                         module.policy.expert_starts(module.sampler.times))
     note = rounding_note(module.jagg.jagg_frac, plan.windows, module.jagg.window_size)
@@ -392,7 +393,7 @@ class JAGGModule(L.LightningModule):
         return self if device is None else super().to(device=device, non_blocking=kwargs.get("non_blocking", False))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Checkpoints hold only the trainable (LoRA) weights (:func:`~jagg_lightning.state.trainable_keys_only`)."""
+        """Checkpoints hold only the trainable (LoRA) weights (:func:`~jagg_lightning.training.state.trainable_keys_only`)."""
         result = super().load_state_dict(state_dict, strict=False, assign=assign)
         return state.trainable_keys_only(result, {n for n, _ in self._trainable_named_parameters()}, strict)
 

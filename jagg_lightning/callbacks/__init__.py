@@ -1,4 +1,6 @@
-"""Lightning callbacks: they read what JAGGModule exposes and never reach into rollout internals."""
+"""Lightning callbacks: they read what JAGGModule exposes and never reach into rollout internals. A new callback goes
+here (exported below, documented in docs/callbacks.md). They may import anything but ``cli/``; nothing in the core
+imports them."""
 
 from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.callbacks.digit_accuracy import DigitAccuracy
@@ -11,7 +13,7 @@ from jagg_lightning.callbacks.reward_watch import RewardHackingWatch
 from jagg_lightning.callbacks.routing import RoutingStats
 from jagg_lightning.callbacks.samples import SampleImages
 from jagg_lightning.callbacks.summary import RunSummary
-from jagg_lightning.images import log_image
+from jagg_lightning.training.images import log_image
 
 __all__ = ["AtomicCheckpointIO", "DigitAccuracy", "ExactnessDiagnostics", "GenEvalAccuracy", "LoRAExport", "Preemption",
            "PredictionImages", "RewardHackingWatch", "RoutingStats", "RunSummary", "SampleImages", "export_lora", "log_image", "lora_state_dict"]

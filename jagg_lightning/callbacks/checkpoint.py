@@ -1,8 +1,8 @@
 """Checkpoint I/O that never leaves a torn file: write to a temporary sibling, fsync, rename
-(:func:`jagg_lightning.io.atomic_write`).
+(:func:`jagg_lightning.faults.io.atomic_write`).
 
 A save killed half-way (even by kill -9) leaves the previous checkpoint at the same path intact; a save that fails
-(a full disk, a file size limit) raises :class:`~jagg_lightning.io.WriteError` naming the checkpoint, removes its
+(a full disk, a file size limit) raises :class:`~jagg_lightning.faults.io.WriteError` naming the checkpoint, removes its
 temporary file and leaves the previous one too. Lightning's ``ModelCheckpoint`` removes the checkpoints it no longer
 keeps (``save_top_k``, the previous ``last``) only after the new one is saved, so a failed save deletes nothing.
 Loading is ``weights_only=True``: a checkpoint is data, never code.
@@ -16,7 +16,7 @@ import torch
 from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from jagg_lightning.io import atomic_write
+from jagg_lightning.faults.io import atomic_write
 
 
 class _ErrorRecordingFile:

@@ -16,7 +16,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from jagg_lightning.jagg import WindowGradientCheck
+from jagg_lightning.method.jagg import WindowGradientCheck
 
 
 def spearman(x: list[float], y: list[float]) -> float:

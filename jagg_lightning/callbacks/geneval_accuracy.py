@@ -95,7 +95,7 @@ class GenEvalAccuracy(L.Callback):
 
 def evenly_per_task(prompts: list, per_task: int | None) -> list:
     """``per_task`` rows of each task (``metadata["tag"]``), evenly spaced in the file's order; None = all."""
-    from jagg_lightning.conditions import metadata_of
+    from jagg_lightning.models.conditions import metadata_of
 
     if per_task is None:
         return list(prompts)

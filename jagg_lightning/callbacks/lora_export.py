@@ -1,5 +1,5 @@
 """Write the trained LoRA in the formats users load (PEFT and diffusers); the layout itself lives in
-:mod:`jagg_lightning.adapters`."""
+:mod:`jagg_lightning.models.adapters`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import lightning as L
 
-from jagg_lightning.adapters import lora_state_dict, save_adapter
 from jagg_lightning.callbacks.progress import finish_progress_bar
-from jagg_lightning.io import atomic_directory, remove_directory
+from jagg_lightning.faults.io import atomic_directory, remove_directory
+from jagg_lightning.models.adapters import lora_state_dict, save_adapter
 
 export_lora = save_adapter  # the name this module has always exported
 
@@ -21,11 +21,11 @@ class LoRAExport(L.Callback):
     """The trained adapter, exported at every checkpoint save and at the end of fit.
 
     The EMA weights when enabled; with ``policy.trainable: full`` the whole transformer instead, as
-    ``<dir>/<last|final>/transformer`` (Wan2.2: and ``<dir>/<last|final>/transformer_2``; ``jagg_lightning.export``).
+    ``<dir>/<last|final>/transformer`` (Wan2.2: and ``<dir>/<last|final>/transformer_2``; ``jagg_lightning.models.export``).
     ``final/`` supersedes ``last/``: once ``final/`` is written whole, ``last/`` is removed (crash-safely,
-    ``jagg_lightning.io.remove_directory``). ``exported`` maps ``last`` and ``final`` to the path written. ``jagg fit``
+    ``jagg_lightning.faults.io.remove_directory``). ``exported`` maps ``last`` and ``final`` to the path written. ``jagg fit``
     does not start a new run into a folder that holds an earlier run's ``last/`` or ``final/``
-    (``jagg_lightning.cli_outputs``, ``--overwrite true``).
+    (``jagg_lightning.cli.outputs``, ``--overwrite true``).
 
     Args:
         dirpath: Where to write: `last/` (updated at every checkpoint) and `final/` (end of fit), each with `peft/`
@@ -43,8 +43,8 @@ class LoRAExport(L.Callback):
 
     def _export(self, trainer, pl_module, name: str) -> Path | None:
         if pl_module.policy.config.trainable == "full":  # no adapter: the consolidated transformer (export.py)
-            from jagg_lightning.dtypes import DTYPES
-            from jagg_lightning.export import save_transformer, transformer_state_dict
+            from jagg_lightning.models.export import save_transformer, transformer_state_dict
+            from jagg_lightning.utils.dtypes import DTYPES
 
             policy, dtype = pl_module.policy, DTYPES[pl_module.policy.config.dtype]
             folder = self.folder(trainer) / name

@@ -13,8 +13,8 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from PIL import Image
 
 from jagg_lightning.callbacks.progress import finish_progress_bar
-from jagg_lightning.images import gif_bytes
-from jagg_lightning.io import atomic_write
+from jagg_lightning.faults.io import atomic_write
+from jagg_lightning.training.images import gif_bytes
 
 
 SLUG_CHARS = 60  # at most this many characters of the prompt in a file name

@@ -1,7 +1,7 @@
 """Stop on a scheduler's signal with a checkpoint, the adapter as ``lora/last`` and a non-zero exit status.
 
 ``jagg fit`` adds :class:`Preemption` unless the config names one; in your own Trainer, add it to ``callbacks``.
-The math of a safe point (where a step may stop and why that is consistent) is in :mod:`jagg_lightning.preemption`.
+The math of a safe point (where a step may stop and why that is consistent) is in :mod:`jagg_lightning.faults.preemption`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import lightning as L
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from jagg_lightning import preemption
-from jagg_lightning.collectives import Collectives
+from jagg_lightning.distributed.collectives import Collectives
+from jagg_lightning.faults import preemption
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 
@@ -26,7 +26,7 @@ class Preemption(L.Callback):
     """A checkpoint at the next safe point on a stop signal (a scheduler's SIGTERM, Ctrl-C), then exit.
 
     On any of ``signals`` during fit: stop at the next safe point (after the rollout micro-batch being sampled and
-    scored, before the update, or after the running step: :mod:`jagg_lightning.preemption`), write a checkpoint
+    scored, before the update, or after the running step: :mod:`jagg_lightning.faults.preemption`), write a checkpoint
     and exit with status 128 + the signal's number (143 for SIGTERM, 138 for SIGUSR1). ``LoRAExport`` writes the
     adapter to ``<lora dir>/last`` with that checkpoint; ``final`` is written only when fit ends normally.
 
@@ -58,7 +58,7 @@ class Preemption(L.Callback):
 
     def checkpoint_file(self, trainer) -> Path:
         """Where a stop writes its checkpoint outside SLURM (``--ckpt_path last`` considers it:
-        cli_lightning.py)."""
+        cli/lightning_cli.py)."""
         return Path(self.dirpath or Path(trainer.default_root_dir) / "checkpoints") / f"{self.filename}.ckpt"
 
     # ------------------------------------------------------------------ handlers

@@ -9,8 +9,8 @@ import lightning as L
 import numpy as np
 import torch
 
-from jagg_lightning.images import log_dir, log_image
-from jagg_lightning.io import atomic_write
+from jagg_lightning.faults.io import atomic_write
+from jagg_lightning.training.images import log_dir, log_image
 
 
 class RoutingStats(L.Callback):

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 from jagg_lightning.data import read_prompts
-from jagg_lightning.grids import (
+from jagg_lightning.training.grids import (
     GridMarks, LabelledGrid, count_right, grid_layout, image_grid, labelled_grid, reward_marks, with_sources,
 )
-from jagg_lightning.images import log_dir, write_image
+from jagg_lightning.training.images import log_dir, write_image
 
 
 class SampleImages(L.Callback):
@@ -24,13 +24,13 @@ class SampleImages(L.Callback):
     enabled), the same seeds for both. The written grid is upscaled (nearest, ``scale``; None = at least 96 px
     per image), with each row's prompt and each half's name -- and, when a callback measures it (``DigitAccuracy``:
     its ``column_scores``), the held-out accuracy of base and fine-tuned -- written on it, and each image marked by the
-    training reward (:func:`jagg_lightning.grids.reward_marks`): its score under it and, when the reward says right /
+    training reward (:func:`jagg_lightning.training.grids.reward_marks`): its score under it and, when the reward says right /
     wrong per sample (the digit reward), a green or red frame, counted per row ("base 1/4, tuned 3/4 right") and per
     half ("base (adapter off): 4 of these 8 right"; the held-out accuracy beside it: "(240 held-out samples)").
     Writes ``<dirpath>/step_XXXXXX.png`` (default dirpath: ``<log dir>/samples``) and sends the same image to every
-    logger that takes images (:func:`jagg_lightning.images.log_image`: TensorBoard, MLflow, ...). ``last_grid`` is
+    logger that takes images (:func:`jagg_lightning.training.images.log_image`: TensorBoard, MLflow, ...). ``last_grid`` is
     the unlabelled grid at native size, ``last_marks`` / ``last_layout`` what was drawn on it and where. Conditioned
-    prompts (:class:`jagg_lightning.conditions.ConditionedPrompt`: image editing, image-to-video) get their source
+    prompts (:class:`jagg_lightning.models.conditions.ConditionedPrompt`: image editing, image-to-video) get their source
     image as a first column, labelled "source": source -> base -> fine-tuned.
 
     Args:

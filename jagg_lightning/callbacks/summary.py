@@ -14,8 +14,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from jagg_lightning.callbacks.progress import finish_progress_bar, stage_name
-from jagg_lightning.grids import weights_label
-from jagg_lightning.images import log_dir
+from jagg_lightning.training.grids import weights_label
+from jagg_lightning.training.images import log_dir
 
 # the test bed's and the module's evaluation metrics, in this order, then any other one by name (docs/callbacks.md)
 LABELS = {"digit_accuracy": "held-out accuracy", "judge_accuracy": "judge accuracy", "digit_reward": "held-out reward",

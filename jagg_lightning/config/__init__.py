@@ -6,14 +6,16 @@ before any model exists: a bad value fails with a message naming the field and t
 Each section's docstring is the one description of its fields: Google style (a short first line, the prose and
 math of the section, then ``Attributes:`` with one entry per field), read by ``jagg fit --help`` (jsonargparse) and
 by the API reference (mkdocstrings). docs/configuration.md tables every field (tests/cli/test_help.py holds the
-three together). Every name stays importable from here (``from jagg_lightning.config import GRPOConfig``).
+three together). Every name stays importable from here (``from jagg_lightning.config import GRPOConfig``). A
+renamed key and the root seed's streams: ``old_keys.py``. It may import ``utils/``, ``method/`` (the step kinds,
+estimators and GRPO variants its checks name) and ``models/`` (the compile and full fine-tune options); no I/O,
+no Lightning.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jagg_lightning.checks import check
 from jagg_lightning.config.evaluation import EvalConfig
 from jagg_lightning.config.grpo import GRPOConfig
 from jagg_lightning.config.jagg import JAGGConfig
@@ -21,7 +23,8 @@ from jagg_lightning.config.memory import ANCHOR_PASSES, MemoryConfig
 from jagg_lightning.config.objective import ObjectiveConfig
 from jagg_lightning.config.policy import PolicyConfig, check_resolution_field, image_size
 from jagg_lightning.config.sampling import SamplingConfig
-from jagg_lightning.grpo import check_variants
+from jagg_lightning.method.grpo import check_variants
+from jagg_lightning.utils.checks import check
 
 __all__ = ["ANCHOR_PASSES", "EvalConfig", "GRPOConfig", "JAGGConfig", "MemoryConfig", "ObjectiveConfig", "PolicyConfig",
            "SamplingConfig", "as_config", "check_fused", "check_resolution_field", "check_sections", "image_size"]

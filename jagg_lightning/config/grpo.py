@@ -5,15 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from jagg_lightning.checks import check, check_ints
-from jagg_lightning.grpo import KL_CONVENTIONS, MULTI_REWARD, check_variant_fields
+from jagg_lightning.method.grpo import KL_CONVENTIONS, MULTI_REWARD, check_variant_fields
+from jagg_lightning.utils.checks import check, check_ints
 
 
 @dataclass
 class GRPOConfig:
     """The GRPO update: the clipped policy loss, its advantages and the optimizer steps.
 
-    The advantage of sample i of group g and the loss of its trained step k (`jagg_lightning.grpo`):
+    The advantage of sample i of group g and the loss of its trained step k (`jagg_lightning.method.grpo`):
 
         A_i  = clip((r_i - mean_g) / (std + adv_eps), -adv_clip, adv_clip)
         rho  = pi_theta(z_k+1 | z_k) / pi_theta_old(z_k+1 | z_k)
@@ -48,7 +48,7 @@ class GRPOConfig:
         max_nonfinite_in_a_row: An update with a non-finite reward, advantage, per-sample loss or gradient is
             skipped (weights, optimizer, EMA and scheduler untouched; `train/skipped_nonfinite` counts it); this
             many skipped in a row stop the run, naming where the first appeared; an integer >= 1 (1: stop at the
-            first; `jagg_lightning.nonfinite`).
+            first; `jagg_lightning.faults.nonfinite`).
         ratio_norm: GRPO-Guard's RatioNorm (arXiv 2510.22319): the clipped ratio is exp((log rho + b) s), b the
             sample's mean |mu_theta - mu_old|^2 / (2 s^2), s the step's std (per sample; no extra forward); not
             with the CPS squared-error log-prob.

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from jagg_lightning.checks import check, check_ints, one_of
-from jagg_lightning.estimators import ESTIMATORS
-from jagg_lightning.routing import ROUTING_SCORES
+from jagg_lightning.method.estimators import ESTIMATORS
+from jagg_lightning.method.routing import ROUTING_SCORES
+from jagg_lightning.utils.checks import check, check_ints, one_of
 
 
 @dataclass
@@ -27,7 +27,7 @@ class JAGGConfig:
     own velocities), and ONE backward runs over the kept graphs -- no forward is repeated. What it keeps:
     `MemoryConfig`.
 
-    Deprecated (each still works, with one line naming its new key; `jagg_lightning.old_keys`): `low_memory`
+    Deprecated (each still works, with one line naming its new key; `jagg_lightning.config.old_keys`): `low_memory`
     (`memory.anchors: split`), `memory_budget_mb` (`memory.budget_mb`), `fused_samples` (`memory.fused_samples`),
     `fused_exact_interior` (`memory.fused_interior_graphs`).
 

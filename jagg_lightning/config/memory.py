@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jagg_lightning.checks import check, check_ints, one_of
+from jagg_lightning.utils.checks import check, check_ints, one_of
 
 ANCHOR_PASSES = ("auto", "batched", "split")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from jagg_lightning.checks import check, one_of
+from jagg_lightning.utils.checks import check, one_of
 
 OBJECTIVE_NAMES = ("grpo", "nft", "awm")
 LEVEL_DISTRIBUTIONS = ("schedule", "uniform", "logit_normal")

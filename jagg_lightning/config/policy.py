@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jagg_lightning.checks import check, one_of
-from jagg_lightning.compiling import COMPILE_MODES
-from jagg_lightning.dtypes import DTYPES
-from jagg_lightning.full_finetune import check_trainable
+from jagg_lightning.models.compiling import COMPILE_MODES
+from jagg_lightning.models.full_finetune import check_trainable
+from jagg_lightning.utils.checks import check, one_of
+from jagg_lightning.utils.dtypes import DTYPES
 
 
 @dataclass
@@ -15,8 +15,8 @@ class PolicyConfig:
     """The model to train: what to load and how to adapt it.
 
     The checks here read nothing but the fields. The family name, the local paths (`pretrained`, `adapter`: found
-    from any directory, `jagg_lightning.assets`; `pretrained: digits` is the shipped test bed) and what a pipeline
-    folder's files say are checked by `jagg_lightning.policy_checks.check_policy`, which `JAGGModule` calls with its
+    from any directory, `jagg_lightning.utils.assets`; `pretrained: digits` is the shipped test bed) and what a pipeline
+    folder's files say are checked by `jagg_lightning.policies.checks.check_policy`, which `JAGGModule` calls with its
     other checks, before any model is built.
 
     Attributes:
@@ -62,7 +62,7 @@ class PolicyConfig:
             rank, alpha and targets replace `lora_rank` / `lora_alpha` / `lora_targets` (evaluate, sample or train
             on). Wan2.2: `transformer_2` loads the `peft_transformer_2/` or `diffusers_transformer_2/` part beside it.
         compile: null (eager) or `repeated_blocks`: each trained network's repeated block compiled once by
-            `torch.compile` after the LoRA is injected (`jagg_lightning.compiling`; a policy built on its own:
+            `torch.compile` after the LoRA is injected (`jagg_lightning.models.compiling`; a policy built on its own:
             `compiling.compile_policy`).
     """
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from jagg_lightning.checks import check, check_ints, one_of
-from jagg_lightning.ode_solvers import check_ode_tail
-from jagg_lightning.sde import CPS_LOG_PROBS, STEP_KINDS, TRAINABLE_STEP_KINDS
-from jagg_lightning.sde_window import check_sde_window
+from jagg_lightning.method.ode_solvers import check_ode_tail
+from jagg_lightning.method.sde import CPS_LOG_PROBS, STEP_KINDS, TRAINABLE_STEP_KINDS
+from jagg_lightning.method.sde_window import check_sde_window
+from jagg_lightning.utils.checks import check, check_ints, one_of
 
 
 @dataclass
@@ -20,9 +20,9 @@ class SamplingConfig:
     (Flow-GRPO-Fast / MixGRPO), `sde_window_size` consecutive steps inside `sde_window_range` = [lo, hi) whose
     start is drawn per rollout ("random") or slides ("progressive"); every other step is deterministic (ODE).
     After the trained steps the rollout's tail may run as an ODE with its own solver and steps
-    (`jagg_lightning.ode_solvers`).
+    (`jagg_lightning.method.ode_solvers`).
 
-    Deprecated (each still works, with one line naming its new key; `jagg_lightning.old_keys`): `seed` (the
+    Deprecated (each still works, with one line naming its new key; `jagg_lightning.config.old_keys`): `seed` (the
     rollout stream of `model.seed`), `window_fraction` (`jagg.window_fraction`).
 
     Attributes:

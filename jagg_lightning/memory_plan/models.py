@@ -174,7 +174,7 @@ PLANNED_FAMILIES = ("sd3", "flux", "flux_kontext", "flux2", "flux2_dev", "qwen_i
 
 def model_spec(policy) -> ModelSpec:
     """The :class:`ModelSpec` of a ``PolicyConfig``: the tiny twin, a shipped config (by hub id) or a local folder."""
-    from jagg_lightning.assets import find_local
+    from jagg_lightning.utils.assets import find_local
 
     if policy.family is not None and policy.family not in PLANNED_FAMILIES:
         raise ValueError(f"policy.family: jagg plan has no memory plan for the {policy.family} family yet (planned: "
@@ -197,9 +197,9 @@ def meta_network(spec: ModelSpec, policy, default_targets: list[str], sharded: b
     ``trainable_modules`` names -- computing in float32 on one process, in ``policy.dtype`` under FSDP2
     (``sharded``: its mixed-precision policy all-gathers the parameters in that dtype); ``gradient_checkpointing``
     as configured."""
-    from jagg_lightning.adapters import add_lora
-    from jagg_lightning.dtypes import DTYPES
-    from jagg_lightning.full_finetune import make_trainable
+    from jagg_lightning.models.adapters import add_lora
+    from jagg_lightning.models.full_finetune import make_trainable
+    from jagg_lightning.utils.dtypes import DTYPES
 
     dtype = DTYPES[policy.dtype]
     with torch.device("meta"):

@@ -11,7 +11,7 @@ the rollout's buffers from the shapes ``rollout.rollout_micro_batches`` allocate
 * the fused mode keeps (kept steps) x (kept samples) x a for a rollout micro-batch (two with ``reward_workers``).
 
 Per device: FSDP2 divides the trained networks' weights, gradients and optimizer state by the data-parallel
-processes (text encoders and VAE stay whole, :mod:`jagg_lightning.strategies`) and gathers two blocks at a time; a
+processes (text encoders and VAE stay whole, :mod:`jagg_lightning.distributed.strategies`) and gathers two blocks at a time; a
 context-parallel degree c divides the activations by c (each context rank holds 1/c of the sequence); FSDP2's CPU
 offload moves the sharded weights, gradients and optimizer state to the host; ``policy.reference_offload`` keeps
 the KL reference on the host between uses. Plain torch, no Lightning.
@@ -28,13 +28,13 @@ import torch
 from torch import nn
 
 from jagg_lightning.config import image_size
-from jagg_lightning.dtypes import DTYPES, compute_dtype
-from jagg_lightning.jagg import Window
 from jagg_lightning.memory_plan.models import ModelSpec, meta_network, model_spec
 from jagg_lightning.memory_plan.shapes import Geometry, geometry, transformer_inputs
 from jagg_lightning.memory_plan.trace import traced_activation_bytes
-from jagg_lightning.passes import fused_graph_steps, fused_samples, pass_plan
-from jagg_lightning.rollout import plan_rollout
+from jagg_lightning.method.jagg import Window
+from jagg_lightning.training.passes import fused_graph_steps, fused_samples, pass_plan
+from jagg_lightning.training.rollout import plan_rollout
+from jagg_lightning.utils.dtypes import DTYPES, compute_dtype
 
 GiB = 2**30
 HEADROOM = 0.9  # the share of device memory the plan may fill: the CUDA context, allocator fragmentation, the VAE

@@ -1,8 +1,10 @@
 """Objectives behind one interface (``objectives/base.py``), one file each, chosen by ``objective.name``: what a
-scored rollout becomes as a loss. "grpo" (the default, :class:`~jagg_lightning.update.Updater`), "nft" (DiffusionNFT)
+scored rollout becomes as a loss. "grpo" (the default, :class:`~jagg_lightning.training.update.Updater`), "nft" (DiffusionNFT)
 and "awm" (Advantage Weighted Matching), the last two sharing the forward-process update (``forward_process.py``).
 
 To add one, write ``objectives/<name>.py`` with an :class:`Objective` subclass and add it to :data:`OBJECTIVES`.
+An objective may import ``method/``, ``config/`` and ``training/`` (GRPO's ``Updater`` and the rollout) and what
+they may; ``module.py`` builds it, nothing below imports it.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from jagg_lightning.grpo import StepLossStats
+from jagg_lightning.method.grpo import StepLossStats
 from jagg_lightning.objectives.forward_process import ForwardProcessObjective, MatchingPoint, per_sample_mean, point_stats
 
 

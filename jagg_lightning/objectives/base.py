@@ -6,8 +6,8 @@ An objective owns three things, and nothing outside its file knows them:
   model is built with a message naming the field;
 * its **update** (:meth:`Objective.updater`): the part that takes one training step from the rollout to the
   optimizer steps -- which sampler runs, which forwards and backwards the loss needs, what is logged -- returning the
-  :class:`~jagg_lightning.update.StepReport` the module logs. GRPO's is today's
-  :class:`~jagg_lightning.update.Updater` unchanged; the forward-process objectives share
+  :class:`~jagg_lightning.training.update.StepReport` the module logs. GRPO's is today's
+  :class:`~jagg_lightning.training.update.Updater` unchanged; the forward-process objectives share
   :class:`~jagg_lightning.objectives.forward_process.ForwardProcessUpdater` and differ only in their per-point loss;
 * its **state** beyond the weights (a lagging theta_old): the update's ``objective_state`` / ``load_objective_state``,
   kept in the checkpoint's ``jagg`` section.

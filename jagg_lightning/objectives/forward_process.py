@@ -13,7 +13,7 @@ layout), so the points are
 
 and the update minimises (1 / (n K)) sum_i sum_k l(v_theta(z_ik, t_k), point ik) over its n samples, l the
 objective's :meth:`ForwardProcessObjective.point_loss`. The K levels of a micro-batch go through the JAGG engine
-(:func:`~jagg_lightning.jagg.accumulate_gradients`) as ONE window of K "steps": exact (a forward and a backward per
+(:func:`~jagg_lightning.method.jagg.accumulate_gradients`) as ONE window of K "steps": exact (a forward and a backward per
 level) by default, or routed with ``objective.jagg`` -- with one eps per sample the K points lie on the chord
 z_k = (1 - alpha_k) z_1 + alpha_k z_K, alpha_k = (t_1 - t_k) / (t_1 - t_K), so the Jacobian is interpolated between
 the two extreme levels and the K upstream gradients fold into two: two grad forwards, K - 2 no-grad forwards, ONE
@@ -29,13 +29,13 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from jagg_lightning.batching import batch_slice
-from jagg_lightning.grpo import StepLossStats
-from jagg_lightning.jagg import Window, WindowRecord, accumulate_gradients, plan_windows
+from jagg_lightning.method.grpo import StepLossStats
+from jagg_lightning.method.jagg import Window, WindowRecord, accumulate_gradients, plan_windows
 from jagg_lightning.objectives.base import Objective
-from jagg_lightning.rollout import sample_generators, sample_seed
-from jagg_lightning.sharding import full_tensor, shard_like, values_swapped
-from jagg_lightning.update import StepReport, Updater, UpdateHooks, shuffled_updates
+from jagg_lightning.training.rollout import sample_generators, sample_seed
+from jagg_lightning.training.update import StepReport, Updater, UpdateHooks, shuffled_updates
+from jagg_lightning.utils.batching import batch_slice
+from jagg_lightning.utils.sharding import full_tensor, shard_like, values_swapped
 
 _LEVEL_STREAM, _NOISE_STREAM = -6, -7  # sample_seed streams of the noise levels and the per-sample noise
 

@@ -3,7 +3,9 @@
 A family is chosen by ``policy.family`` or detected from the pipeline's ``model_index.json``
 (``_class_name``, and where two families share a class, a value one requires: ``WanImageToVideoPipeline`` with
 ``expand_timesteps`` is ``wan22_ti2v``); with neither (no ``pretrained``) the tiny SD3 twin is built. To add a
-family, write ``policies/<name>.py`` (see ``base.py``) and add one ``register_family`` line below.
+family, write ``policies/<name>.py`` (see ``base.py``) and add one ``register_family`` line below. The checks of a
+policy config that read this registry and the files it names: ``checks.py``. It may import ``utils/``,
+``models/`` and ``config/``; no Lightning.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from jagg_lightning.assets import find_local
 from jagg_lightning.config import PolicyConfig
 from jagg_lightning.policies.base import Policy
+from jagg_lightning.utils.assets import find_local
 
 
 @dataclass(frozen=True)

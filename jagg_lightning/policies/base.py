@@ -28,7 +28,7 @@ The base class then provides loading (``load_pipeline``: diffusers' own ``from_p
 weights whatever the frozen dtype, float64 with float64; or ``full_finetune.train_in_full``), ``lora_parameters``,
 ``adapter_disabled`` (the KL reference; ``reference.py`` for a full fine-tune), ``enable_gradient_checkpointing``,
 ``guidance`` and ``schedule`` -- all over ``trained_networks()``. The config (``config.PolicyConfig``) checks its
-fields alone; what its files say is checked by ``policy_checks.check_policy``.
+fields alone; what its files say is checked by ``policies.checks.check_policy``.
 
 Contract details the engine relies on:
 
@@ -73,12 +73,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from jagg_lightning.adapters import attach_lora
-from jagg_lightning.assets import resolve_path
 from jagg_lightning.config import PolicyConfig, image_size
-from jagg_lightning.dtypes import DTYPES
-from jagg_lightning.full_finetune import train_in_full
-from jagg_lightning.reference import reference_applied
+from jagg_lightning.models.adapters import attach_lora
+from jagg_lightning.models.full_finetune import train_in_full
+from jagg_lightning.models.reference import reference_applied
+from jagg_lightning.utils.assets import resolve_path
+from jagg_lightning.utils.dtypes import DTYPES
 
 # The joint-attention projections of both streams (image and text) of an MM-DiT block: Flow-GRPO's SD3
 # targets, and the attention part of the Qwen-Image targets.
@@ -113,7 +113,7 @@ class Policy(nn.Module):
     video: bool = False  # a video family (``policy.num_frames``; ``decode`` gives [n, F, 3, H, W])
     default_lora_targets: list[str] = []
     # how many condition images each prompt carries (min, max): (0, 0) text-to-image / video; an editing or
-    # image-to-video family's encode_prompts reads them (jagg_lightning.conditions); checked before training
+    # image-to-video family's encode_prompts reads them (jagg_lightning.models.conditions); checked before training
     condition_images: tuple[int, int] = (0, 0)
 
     def __init__(self, config: PolicyConfig | None = None, pipeline=None):
@@ -234,7 +234,7 @@ class Policy(nn.Module):
     @contextmanager
     def adapter_disabled(self):
         """The KL reference: the trained networks with their LoRA switched off (``trainable: full``: the frozen copies
-        of the initial networks swapped in, :mod:`jagg_lightning.reference`)."""
+        of the initial networks swapped in, :mod:`jagg_lightning.models.reference`)."""
         if self.config.trainable == "full":
             with reference_applied(self):
                 yield

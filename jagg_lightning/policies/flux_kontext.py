@@ -1,7 +1,7 @@
 """FLUX.1 Kontext: image editing with ``FluxKontextPipeline`` -- FLUX.1's transformer, prompt encoding, embedded
 guidance and dynamic-shift schedule (:mod:`jagg_lightning.policies.flux`), plus the source image as tokens.
 
-Each prompt carries one condition image (:class:`jagg_lightning.conditions.ConditionedPrompt`). As the pipeline
+Each prompt carries one condition image (:class:`jagg_lightning.models.conditions.ConditionedPrompt`). As the pipeline
 does, the source is encoded once by the VAE (the distribution's mode, then shifted and scaled), packed into the same
 2x2 patches as the latent, and its tokens are appended after the sampled latent's along the sequence, with position
 ids (1, row, col) -- the latent's are (0, row, col). The transformer sees both; the velocity is its output on the
@@ -12,7 +12,7 @@ tokens travel with the prompt's embeddings, so the rollout, the anchors, the fus
 and slice them per sample like any condition. They are frozen (encoded without gradient).
 
 Size: the source is fitted to the size sampled (``policy.resolution``: centre-cropped to its aspect ratio, then
-bicubic; :func:`jagg_lightning.conditions.condition_pixels`) -- as the pipeline with ``_auto_resize=False`` and that
+bicubic; :func:`jagg_lightning.models.conditions.condition_pixels`) -- as the pipeline with ``_auto_resize=False`` and that
 height and width, and as Flow-GRPO's Kontext script, which crops and resizes its sources to the training size.
 So S equals the latent's own token count. Guidance: FLUX.1 Kontext [dev] is guidance-distilled (embedded guidance,
 one forward); the pipeline's true CFG (``true_cfg_scale`` with a negative prompt) is not supported.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jagg_lightning.conditions import condition_pixels
+from jagg_lightning.models.conditions import condition_pixels
 from jagg_lightning.policies.base import Guidance
 from jagg_lightning.policies.flux import FluxPolicy, build_tiny_flux_pipeline
 

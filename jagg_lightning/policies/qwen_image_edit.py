@@ -1,8 +1,8 @@
 """Qwen-Image-Edit: image editing with ``QwenImageEditPipeline`` -- Qwen-Image's transformer, true CFG, schedule and
 decode (:mod:`jagg_lightning.policies.qwen_image`), with the source image seen twice, as the pipeline does.
 
-Each prompt carries one condition image (:class:`jagg_lightning.conditions.ConditionedPrompt`), fitted to the sampled
-size (:func:`jagg_lightning.conditions.condition_pixels`: centre-cropped to the aspect ratio, then bicubic) -- the
+Each prompt carries one condition image (:class:`jagg_lightning.models.conditions.ConditionedPrompt`), fitted to the sampled
+size (:func:`jagg_lightning.models.conditions.condition_pixels`: centre-cropped to the aspect ratio, then bicubic) -- the
 source a user would hand the pipeline at that size. From there every step is the pipeline's own ``__call__`` with
 that source as ``image=`` (one PIL image) and ``height`` / ``width`` the sampled size:
 
@@ -35,7 +35,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from jagg_lightning.conditions import condition_pixels
+from jagg_lightning.models.conditions import condition_pixels
 from jagg_lightning.policies.base import Guidance
 from jagg_lightning.policies.qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG, QwenImagePolicy, tiny_qwen_image_parts
 from jagg_lightning.policies.tiny import tiny_qwen_vl_processor

@@ -35,9 +35,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from jagg_lightning.batching import batch_slice
 from jagg_lightning.policies.base import Guidance, Policy
 from jagg_lightning.policies.tiny import tiny_t5_tokenizer
+from jagg_lightning.utils.batching import batch_slice
 
 # LoRA on the self- and cross-attention projections (attn1 / attn2) and the feed-forward of every block: the
 # target set of DanceGRPO's and Flow-Factory's Wan LoRA recipes (peft matches these suffixes in both attentions).

@@ -3,8 +3,8 @@ Wan2.2 TI2V-5B's image-to-video mode (``expand_timesteps``) as ``wan22_ti2v``.
 
 Everything else is the text-to-video family's (:mod:`jagg_lightning.policies.wan`): UMT5 prompts, true CFG with both
 branches in one batched forward, the flow-shift schedule, the experts, the decode. Each prompt carries ONE
-condition image (:class:`jagg_lightning.conditions.ConditionedPrompt`), the clip's first frame, fitted to the
-sampled size (:func:`jagg_lightning.conditions.condition_pixels`: centre-cropped to the aspect ratio, then bicubic)
+condition image (:class:`jagg_lightning.models.conditions.ConditionedPrompt`), the clip's first frame, fitted to the
+sampled size (:func:`jagg_lightning.models.conditions.condition_pixels`: centre-cropped to the aspect ratio, then bicubic)
 and handed to the pipeline's steps as ``image=`` at that size would be. Each image is encoded alone, as the pipeline
 encodes its one image, so its encoding does not depend on the batch it came in.
 
@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from jagg_lightning.conditions import condition_pixels
+from jagg_lightning.models.conditions import condition_pixels
 from jagg_lightning.policies.base import Guidance
 from jagg_lightning.policies.wan import TINY_Z_DIM, WanPolicy, build_tiny_wan_pipeline
 

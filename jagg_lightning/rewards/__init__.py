@@ -6,7 +6,9 @@ its wheel and GenEval's rules read the scenes test bed exactly by default; they 
 reward scored by a ``jagg serve-reward`` server. :class:`EditFidelity` and :class:`FirstFrameConsistency` read the
 condition images conditioned prompts carry (image editing, image-to-video).
 
-The names below are imported on first use (PEP 562): ``jagg serve-reward --help`` imports no torch.
+The names below are imported on first use (PEP 562): ``jagg serve-reward --help`` imports no torch. A new reward
+goes here, one file; rewards may import only ``utils/`` and ``models/`` (conditioned prompts), never the training
+step that scores with them.
 """
 
 import importlib

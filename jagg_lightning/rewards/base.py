@@ -160,7 +160,7 @@ class Reward(nn.Module):
         if scores.shape[0] != inputs.shape[0]:
             raise RuntimeError(f"reward {self.name}: returned {scores.shape[0]} scores for {inputs.shape[0]} {what}")
         # a NaN or Inf score is returned as it is: training skips the update it would enter and names the reward
-        # (jagg_lightning/nonfinite.py); an evaluation mean shows it
+        # (jagg_lightning/faults/nonfinite.py); an evaluation mean shows it
         return scores
 
     def score_with_components(self, images: Tensor | None, prompts: list[str],

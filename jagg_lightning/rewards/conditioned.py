@@ -1,6 +1,6 @@
 """Rewards that see the condition: how much of the source an edit keeps, and how well a clip continues its first frame.
 
-Both read each prompt's condition image (:func:`jagg_lightning.conditions.condition_images`: a conditioned prompt
+Both read each prompt's condition image (:func:`jagg_lightning.models.conditions.condition_images`: a conditioned prompt
 carries it; a plain string has none and is refused with the prompt named) and compare CLIP image features -- the
 consistency term of Flow-GRPO's FLUX.1 Kontext recipe, which scores the edit with GenEval and keeps the rest of the
 picture with CLIP feature similarity between the source and the result:
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jagg_lightning.conditions import condition_images, fit_to, where
+from jagg_lightning.models.conditions import condition_images, fit_to, where
 from jagg_lightning.rewards.base import Reward
 from jagg_lightning.rewards.clip_models import clip_image_embeddings, load_clip
 

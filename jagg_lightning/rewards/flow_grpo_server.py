@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from jagg_lightning.conditions import metadata_of
+from jagg_lightning.models.conditions import metadata_of
 from jagg_lightning.rewards.base import RewardError, check_images
 from jagg_lightning.rewards.monitor import MONITOR_PREFIX
 from jagg_lightning.rewards.remote import RemoteReward, _one_line
@@ -62,7 +62,7 @@ class FlowGRPOServerReward(RemoteReward):
         metadata: GenEval only: a JSONL file of GenEval metadata records (Flow-GRPO's
             ``dataset/geneval/*_metadata.jsonl``), each with its ``prompt``; a prompt's record is sent as its
             ``meta_datas`` entry. Prompts read from such a file as the data file carry their own record
-            (:func:`jagg_lightning.conditions.metadata_of`), which is sent first; null = only those. A prompt with
+            (:func:`jagg_lightning.models.conditions.metadata_of`), which is sent first; null = only those. A prompt with
             no record is refused by name.
         only_strict: GenEval's flag (the server then skips the non-strict accuracy; Flow-GRPO trains with True).
         batch_size: images per request, >= 1 (Flow-GRPO: 64).

@@ -13,7 +13,7 @@ says the colour of detected objects; the rules select (confidence threshold, the
 
 What each prompt asks is its GenEval metadata (``tag``, ``include``, ``exclude``): a metadata JSONL given as the
 data file (``data.prompts_file: .../evaluation_metadata.jsonl``) hands each prompt its row
-(:func:`jagg_lightning.conditions.metadata_of`). A prompt without it is an error naming the prompt.
+(:func:`jagg_lightning.models.conditions.metadata_of`). A prompt without it is an error naming the prompt.
 
 Scores (``score:``):
 
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from jagg_lightning.conditions import metadata_of, where
+from jagg_lightning.models.conditions import metadata_of, where
 from jagg_lightning.rewards.base import Reward
 from jagg_lightning.rewards.geneval_rules import (TASKS, Judgement, Thresholds, geneval_metrics, judge,
                                                   task_scores)

@@ -48,7 +48,7 @@ import threading
 from jagg_lightning.rewards.wire import MAX_PIXELS, WireError, decode, from_uint8  # numpy; torch when decoding
 
 # the reward registry (torch) is imported when a reward is built: ``jagg serve-reward --help`` imports no torch
-from jagg_lightning.strict_args import StrictParser
+from jagg_lightning.utils.strict_args import StrictParser
 
 log = logging.getLogger("jagg.serve_reward")
 LARGE_REQUEST = 16 << 20  # bytes of body or decoded pixels after which the freed memory is handed back

@@ -9,6 +9,8 @@ records the data split, seeds, step counts, the losses reached and the base mode
 
 Prompts come from templates: ``TRAIN_TEMPLATES`` (pretraining and GRPO fine-tuning) and
 ``HELDOUT_TEMPLATES`` (seen in pretraining, never by GRPO: the held-out prompt-following metric).
+
+The test bed uses the package as a user does: it may import anything but ``callbacks/`` and ``cli/``.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def module_from_config(config_path, seed: int = 0, **jagg):
     ``memory`` field goes to the ``memory`` section). The evaluation noise stays the config's (``evaluation.seed``,
     0 when it names none): the studies compare runs of different seeds on the same evaluation noise.
 
-    A shipped name (``pretrained: digits``) or a relative path is resolved to the folder it names (:mod:`jagg_lightning.assets`).
+    A shipped name (``pretrained: digits``) or a relative path is resolved to the folder it names (:mod:`jagg_lightning.utils.assets`).
     Every field of the section is honoured (the optimizer's ``class_path`` and ``init_args`` too); a field
     this builder does not take (``lr_scheduler``) stops it with the field's name.
     Returns (module, the YAML as a dict).
@@ -78,7 +78,7 @@ def module_from_config(config_path, seed: int = 0, **jagg):
 
     from jagg_lightning.config import MemoryConfig
     from jagg_lightning.module import JAGGModule
-    from jagg_lightning.assets import find_local
+    from jagg_lightning.utils.assets import find_local
 
     cfg = yaml.safe_load(Path(config_path).read_text())
     model = dict(cfg["model"])

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from jagg_lightning.quiet import unexpected_lines
+from jagg_lightning.cli.quiet import unexpected_lines
 
 from in_process import jagg_in_process
 

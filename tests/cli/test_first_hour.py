@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from jagg_lightning.quiet import unexpected_lines
+from jagg_lightning.cli.quiet import unexpected_lines
 
 from in_process import jagg_in_process
 

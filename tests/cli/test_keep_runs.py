@@ -19,8 +19,8 @@ import yaml
 import jagg_lightning.module as module_lib
 from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.cli import cli_main, parse_config
-from jagg_lightning.cli_plan import plan_main
-from jagg_lightning.io import atomic_directory, atomic_write
+from jagg_lightning.cli.plan import plan_main
+from jagg_lightning.faults.io import atomic_directory, atomic_write
 from jagg_lightning.rewards import JpegCompressibility
 from jagg_lightning.rewards.server import serve_main
 
@@ -244,7 +244,7 @@ def test_the_runs_exports_and_checkpoints_have_the_umasks_permissions(first_run)
 def test_every_atomic_writer_gives_the_umasks_permissions(umask, tmp_path, rng_seed):
     from safetensors.torch import save_file
 
-    from jagg_lightning.images import write_image
+    from jagg_lightning.training.images import write_image
 
     class NoLoggers:
         loggers, global_step = [], 0
@@ -290,7 +290,7 @@ def test_removing_a_superseded_export_leaves_no_half_folder_and_nothing_to_recov
     it as ``last``)."""
     import shutil as shutil_lib
 
-    from jagg_lightning.io import readable_path, recover_directory, remove_directory
+    from jagg_lightning.faults.io import readable_path, recover_directory, remove_directory
 
     rng = np.random.default_rng(rng_seed)
     target = tmp_path / "lora" / "last"

@@ -10,8 +10,8 @@ import torch
 
 from jagg_lightning import JAGGConfig, JAGGModule, MemoryConfig, SamplingConfig
 from jagg_lightning.cli import cli_main
-from jagg_lightning.old_keys import OLD_KEYS, JAGGDeprecationWarning
-from jagg_lightning.rollout import sample_generators
+from jagg_lightning.config.old_keys import OLD_KEYS, JAGGDeprecationWarning
+from jagg_lightning.training.rollout import sample_generators
 
 from helpers import tiny_policy_config
 

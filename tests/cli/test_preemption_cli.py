@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jagg_lightning.quiet import unexpected_lines
+from jagg_lightning.cli.quiet import unexpected_lines
 from launch import search_path
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]

@@ -7,11 +7,11 @@ import pytest
 import torch
 import yaml
 
-from jagg_lightning.assets import find_local, looks_local
-from jagg_lightning.cli import cli_main
-from jagg_lightning.old_keys import JAGGDeprecationWarning
 from jagg_lightning import JAGGModule
+from jagg_lightning.cli import cli_main
+from jagg_lightning.config.old_keys import JAGGDeprecationWarning
 from jagg_lightning.policies import FAMILIES, detect_family
+from jagg_lightning.utils.assets import find_local, looks_local
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))

@@ -16,8 +16,8 @@ from PIL import Image
 from jagg_lightning.callbacks import LoRAExport, RunSummary, SampleImages
 from jagg_lightning.callbacks.summary import number
 from jagg_lightning.cli import cli_main
-from jagg_lightning.grids import RIGHT, WRONG
 from jagg_lightning.rewards.digits import DigitReward
+from jagg_lightning.training.grids import RIGHT, WRONG
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ["a handwritten digit 3", "a handwritten digit 7"]

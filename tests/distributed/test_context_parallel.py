@@ -19,7 +19,7 @@ import yaml
 from safetensors.torch import load_file
 
 from jagg_lightning.cli import cli_main
-from jagg_lightning.quiet import unexpected_lines
+from jagg_lightning.cli.quiet import unexpected_lines
 
 from launch import TESTS, run_ranks
 from helpers import rel_error
@@ -120,7 +120,7 @@ RANK_SCRIPT = textwrap.dedent('''
             refused[name] = [exit.code, err.getvalue().strip().splitlines()[-1]]
     with open(report, "w") as f:
         json.dump(refused, f)
-    from jagg_lightning.collectives import end_process_group
+    from jagg_lightning.distributed.collectives import end_process_group
     end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from jagg_lightning.context_parallel import ContextParallelError, build
+from jagg_lightning.distributed.context_parallel import ContextParallelError, build
 
 SIZE = 2
 

@@ -49,7 +49,7 @@ DDP_RUN = textwrap.dedent('''
     trainer.fit(module, PromptDataModule(prompts=PROMPTS, batch_size=1, shuffle=False))
     weights = {n: p.detach().contiguous() for n, p in module.named_parameters() if p.requires_grad}
     save_file(weights, f"{sys.argv[1]}/rank{trainer.global_rank}.safetensors")
-    from jagg_lightning.collectives import end_process_group
+    from jagg_lightning.distributed.collectives import end_process_group
     end_process_group()
 ''')
 
@@ -106,7 +106,7 @@ FSDP2_RUN = textwrap.dedent('''
     for name in NAMES:
         fit(name)
         fit(name, ckpt_path=f"{out}/{name}_ckpt/step=1.ckpt")
-    from jagg_lightning.collectives import end_process_group
+    from jagg_lightning.distributed.collectives import end_process_group
     end_process_group()
 ''')
 

@@ -129,7 +129,7 @@ SUBGROUP_SCRIPT = textwrap.dedent('''
     import os, sys, time
     import torch
     import torch.distributed as dist
-    from jagg_lightning.peer_failure import bound_every_group
+    from jagg_lightning.distributed.peer_failure import bound_every_group
     dist.init_process_group("gloo")
     group = dist.new_group([0, 1])  # torch gives it its own default (30 minutes), not the world group's
     bound_every_group(2.0)

@@ -87,7 +87,7 @@ RANK_SCRIPT = textwrap.dedent('''
                         "windows": len(module.windows)}
     with open(f"{out}/report-rank{trainer.global_rank}.json", "w") as f:
         json.dump(report, f)
-    from jagg_lightning.collectives import end_process_group
+    from jagg_lightning.distributed.collectives import end_process_group
     end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
 

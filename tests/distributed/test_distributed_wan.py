@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jagg_lightning.adapters import PEFT_KEY_PREFIX
 from jagg_lightning.data import PromptDataModule
+from jagg_lightning.models.adapters import PEFT_KEY_PREFIX
 
 from launch import run_ranks
 from helpers import rel_error, sgd
@@ -92,7 +92,7 @@ RANK_SCRIPT = textwrap.dedent('''
     full = weights(module)
     if trainer.global_rank == 0:
         save_file(full, f"{out}/wan22_full_fsdp.safetensors")
-    from jagg_lightning.collectives import end_process_group
+    from jagg_lightning.distributed.collectives import end_process_group
     end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
 

@@ -50,7 +50,7 @@ RANK_SCRIPT = textwrap.dedent('''
         weights = {n: (p.full_tensor() if kind == "fsdp2" else p).detach().contiguous()
                    for n, p in module.named_parameters() if p.requires_grad}
         save_file(weights, f"{out}/{twin}_{kind}_rank{trainer.global_rank}.safetensors")
-    from jagg_lightning.collectives import end_process_group
+    from jagg_lightning.distributed.collectives import end_process_group
     end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
 

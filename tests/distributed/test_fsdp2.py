@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jagg_lightning.adapters import PEFT_KEY_PREFIX
 from jagg_lightning.callbacks import LoRAExport
 from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.data import PromptDataModule
+from jagg_lightning.models.adapters import PEFT_KEY_PREFIX
 
 from launch import run_ranks
 from helpers import rel_error, sgd
@@ -93,9 +93,9 @@ RANK_SCRIPT = textwrap.dedent('''
     else:
         raise AssertionError("fused_rollout trained under FSDP2")
     # the process group is destroyed at exit while the interpreter is alive (else gloo may abort at shutdown)
-    from jagg_lightning import collectives
+    from jagg_lightning.distributed import collectives
     assert collectives._CLEANUP_REGISTERED
-    from jagg_lightning.collectives import end_process_group
+    from jagg_lightning.distributed.collectives import end_process_group
     end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
 

@@ -52,7 +52,7 @@ RANK_SCRIPT = textwrap.dedent('''
                    for n, p in module.named_parameters() if p.requires_grad}
         if trainer.global_rank == 0:
             save_file(weights, f"{out}/{case.name}_{kind}.safetensors")
-    from jagg_lightning.collectives import end_process_group
+    from jagg_lightning.distributed.collectives import end_process_group
     end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
 

@@ -18,7 +18,7 @@ RANKS = textwrap.dedent('''
     import torch
     from safetensors.torch import save_file
     from jagg_lightning.data import PromptDataModule
-    from jagg_lightning.nonfinite import NonFiniteError
+    from jagg_lightning.faults.nonfinite import NonFiniteError
     from faults import PoisonedReward, StepCounter, poison_gradient
     from test_nonfinite import PROMPTS, StateAfterEachStep, module_for
     out, seed, poisoned = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
@@ -48,7 +48,7 @@ RANKS = textwrap.dedent('''
     except NonFiniteError as err:
         record["stop"] = str(err)
     print(json.dumps(record))
-    from jagg_lightning.collectives import end_process_group
+    from jagg_lightning.distributed.collectives import end_process_group
     end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
 

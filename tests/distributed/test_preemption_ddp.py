@@ -33,7 +33,7 @@ RANK = textwrap.dedent('''
         save_file({str(i): w.contiguous() for i, w in enumerate(weights)}, f"{root}/{mode}_rank{rank}.safetensors")
         print(json.dumps({"mode": mode, "rows": rows,
                           "stopped": None if stopped is None else [stopped.code, stopped.step, stopped.where]}))
-    from jagg_lightning.collectives import end_process_group
+    from jagg_lightning.distributed.collectives import end_process_group
     end_process_group()  # every rank finished: leave together (collectives.end_process_group)
 ''')
 

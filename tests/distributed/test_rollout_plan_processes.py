@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jagg_lightning.config import JAGGConfig, SamplingConfig
-from jagg_lightning.rollout import plan_rollout
+from jagg_lightning.training.rollout import plan_rollout
 
 pytestmark = [pytest.mark.distributed, pytest.mark.subprocess, pytest.mark.slow]
 
@@ -25,7 +25,7 @@ PLAN = textwrap.dedent('''
     import torch
     import torch.distributed as dist
     from jagg_lightning.config import JAGGConfig, SamplingConfig
-    from jagg_lightning.rollout import plan_rollout
+    from jagg_lightning.training.rollout import plan_rollout
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(1000 + rank)  # the global streams differ per process: the plan must not read them

@@ -14,7 +14,7 @@ from peft import PeftModel
 
 from jagg_lightning.cli import cli_main
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.grpo import group_advantages
+from jagg_lightning.method.grpo import group_advantages
 from jagg_lightning.policies import build_policy, detect_family
 
 from family_cases import CASES, PROMPTS, TRAINING_CASES, module_for, tiny_fit_args
@@ -261,7 +261,7 @@ def assert_grid_starts_with_the_sources(trainer, policy):
     """SampleImages read the test rows of the dataset folder: each row of its grid is source (fitted to the sampled
     size), base, fine-tuned."""
     from jagg_lightning.callbacks import SampleImages
-    from jagg_lightning.conditions import condition_images, fit_to
+    from jagg_lightning.models.conditions import condition_images, fit_to
 
     [samples] = [c for c in trainer.callbacks if isinstance(c, SampleImages)]
     assert [p.name for p in samples.written] == ["step_000002.png"]

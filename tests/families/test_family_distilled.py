@@ -12,7 +12,7 @@ from jagg_lightning.cli import cli_main
 from jagg_lightning.policies import build_policy
 from jagg_lightning.policies.flux2 import build_tiny_flux2_pipeline
 from jagg_lightning.policies.z_image import build_tiny_z_image_pipeline
-from jagg_lightning.strategies import transformer_blocks
+from jagg_lightning.models.compiling import transformer_blocks
 
 from helpers import randomize_lora_b, tiny_policy_config
 

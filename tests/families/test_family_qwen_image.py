@@ -7,18 +7,18 @@ import lightning as L
 import pytest
 import torch
 
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.cli import cli_main
+from jagg_lightning.data import PromptDataModule
+from jagg_lightning.method.grpo import group_advantages
+from jagg_lightning.policies import FAMILIES, PolicyConfig, build_policy, detect_family
 from jagg_lightning.policies.qwen_image import (
     QWEN_IMAGE_LORA_TARGETS,
     QwenImagePolicy,
     build_tiny_qwen_image_pipeline,
     tiny_qwen_tokenizer,
 )
-from jagg_lightning.cli import cli_main
-from jagg_lightning.data import PromptDataModule
-from jagg_lightning.grpo import group_advantages
-from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
-from jagg_lightning.policies import FAMILIES, PolicyConfig, build_policy, detect_family
-from jagg_lightning.rollout import sample_generators, sample_trajectories
+from jagg_lightning.training.rollout import sample_generators, sample_trajectories
 
 from helpers import exact_per_step_gradient, lora_grads, randomize_lora_b, rel_error
 

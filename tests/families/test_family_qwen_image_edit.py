@@ -13,9 +13,9 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.cli import cli_main
-from jagg_lightning.conditions import ConditionedPrompt, condition_pixels
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.grpo import group_advantages
+from jagg_lightning.method.grpo import group_advantages
+from jagg_lightning.models.conditions import ConditionedPrompt, condition_pixels
 from jagg_lightning.policies import FAMILIES, PolicyConfig, build_policy, detect_family
 from jagg_lightning.policies.qwen_image import QWEN_IMAGE_LORA_TARGETS
 from jagg_lightning.policies.qwen_image_edit import QwenImageEditPolicy, build_tiny_qwen_image_edit_pipeline

@@ -14,8 +14,8 @@ from peft import PeftModel
 
 from jagg_lightning.cli import cli_main
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.grpo import group_advantages
-from jagg_lightning.jagg import plan_windows
+from jagg_lightning.method.grpo import group_advantages
+from jagg_lightning.method.jagg import plan_windows
 from jagg_lightning.policies import build_policy, detect_family
 
 from helpers import exact_per_step_gradient, lora_grads, randomize_lora_b, rel_error

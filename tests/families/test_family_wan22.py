@@ -13,15 +13,15 @@ import torch
 from diffusers import WanTransformer3DModel
 from safetensors.torch import load_file
 
-from jagg_lightning.adapters import lora_state_dict, save_adapter
 from jagg_lightning.callbacks import LoRAExport
 from jagg_lightning.cli import cli_main
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.grpo import group_advantages
+from jagg_lightning.method.grpo import group_advantages
+from jagg_lightning.models.adapters import lora_state_dict, save_adapter
 from jagg_lightning.policies import PolicyConfig, build_policy
-from jagg_lightning.policy_checks import check_policy
-from jagg_lightning.checks import PolicyBuildError
+from jagg_lightning.policies.checks import check_policy
 from jagg_lightning.policies.wan import build_tiny_wan_pipeline
+from jagg_lightning.utils.checks import PolicyBuildError
 
 from wan_twins import WAN, full_module
 from helpers import exact_per_step_gradient, rel_error

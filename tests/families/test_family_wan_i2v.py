@@ -15,13 +15,13 @@ import pytest
 import torch
 from peft import PeftModel
 
-from jagg_lightning.batching import batch_slice
 from jagg_lightning.cli import cli_main
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.grpo import group_advantages
 from jagg_lightning.memory_plan.models import model_spec
+from jagg_lightning.method.grpo import group_advantages
 from jagg_lightning.policies import PolicyConfig, build_policy, detect_family
 from jagg_lightning.policies.wan_i2v import build_tiny_wan_i2v_pipeline
+from jagg_lightning.utils.batching import batch_slice
 
 from family_cases import tiny_fit_args
 from helpers import exact_per_step_gradient, randomize_lora_b, rel_error

@@ -8,18 +8,18 @@ import lightning as L
 import pytest
 import torch
 
-from jagg_lightning.data import PromptDataModule
-from jagg_lightning.export import save_transformer
-from jagg_lightning.jagg import accumulate_gradients, plan_windows
-from jagg_lightning.routing import route_windows
-from jagg_lightning.grpo import StepRecord, step_loss
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.data import PromptDataModule
+from jagg_lightning.method.grpo import StepRecord, step_loss
+from jagg_lightning.method.jagg import accumulate_gradients, plan_windows
+from jagg_lightning.method.routing import route_windows
+from jagg_lightning.method.sde import flow_match_sigmas
+from jagg_lightning.models.export import save_transformer
+from jagg_lightning.models.reference import attach_reference
 from jagg_lightning.policies import PolicyConfig
 from jagg_lightning.policies.sd3 import SD3Policy
-from jagg_lightning.reference import attach_reference
-from jagg_lightning.rollout import sample_generators, sample_trajectories
-from jagg_lightning.sampler import Sampler
-from jagg_lightning.sde import flow_match_sigmas
+from jagg_lightning.training.rollout import sample_generators, sample_trajectories
+from jagg_lightning.training.sampler import Sampler
 
 from helpers import counted_velocity, rel_error
 

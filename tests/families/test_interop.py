@@ -11,10 +11,10 @@ import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 
-from jagg_lightning.adapters import PEFT_KEY_PREFIX
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.callbacks import AtomicCheckpointIO, LoRAExport
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.models.adapters import PEFT_KEY_PREFIX
 from jagg_lightning.policies.sd3 import build_tiny_sd3_pipeline
 from jagg_lightning.rewards import JpegCompressibility, JpegIncompressibility, Reward, WeightedReward
 

@@ -7,10 +7,10 @@ import lightning as L
 import pytest
 import torch
 
-from jagg_lightning.data import PromptDataModule
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.data import PromptDataModule
 from jagg_lightning.policies import FAMILIES, PolicyConfig, build_policy, detect_family
-from jagg_lightning.policy_checks import check_policy
+from jagg_lightning.policies.checks import check_policy
 from jagg_lightning.policies.sd3 import SD3Policy, build_tiny_sd3_pipeline
 
 from helpers import randomize_lora_b, tiny_policy_config

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import CLIPModel, CLIPProcessor
 
-from jagg_lightning.conditions import ConditionedPrompt
+from jagg_lightning.models.conditions import ConditionedPrompt
 from jagg_lightning.rewards import EditFidelity, FirstFrameConsistency, JpegCompressibility, WeightedReward
 from jagg_lightning.rewards.registry import build_reward
 
@@ -48,7 +48,7 @@ def test_sources_are_fitted_to_the_result_and_read_from_files(clip_dir, tmp_path
     pixels = (torch.rand(40, 56, 3, generator=gen) * 255).round().byte().numpy()
     Image.fromarray(pixels).save(tmp_path / "source.png")
     prompt = ConditionedPrompt("keep it", [str(tmp_path / "source.png")])
-    from jagg_lightning.conditions import condition_pixels
+    from jagg_lightning.models.conditions import condition_pixels
 
     fitted = condition_pixels([prompt], 32, 32)
     reward = EditFidelity(str(clip_dir))

@@ -23,7 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
-from jagg_lightning.conditions import read_conditioned_prompts
+from jagg_lightning.models.conditions import read_conditioned_prompts
 from jagg_lightning.rewards import FlowGRPOServerReward, build_reward
 from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.rewards.wire import quantize

@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from jagg_lightning.conditions import ConditionedPrompt
+from jagg_lightning.models.conditions import ConditionedPrompt
 from jagg_lightning.rewards import GenEvalReward
 from jagg_lightning.rewards.geneval_models import ClipColors, Mask2FormerReader, Owlv2Reader, mask_box
 from jagg_lightning.rewards.geneval_rules import COLORS, evaluate, select_detections

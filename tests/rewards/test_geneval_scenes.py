@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from jagg_lightning.conditions import ConditionedPrompt, read_conditioned_prompts
+from jagg_lightning.models.conditions import ConditionedPrompt, read_conditioned_prompts
 from jagg_lightning.rewards import GenEvalReward
 from jagg_lightning.rewards.geneval_rules import TASKS
 from jagg_lightning.rewards.geneval_scenes import SceneReader

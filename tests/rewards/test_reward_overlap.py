@@ -16,10 +16,10 @@ import lightning as L
 import pytest
 import torch
 
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.callbacks import RewardHackingWatch
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.grpo import combined_advantages
-from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.method.grpo import combined_advantages
 from jagg_lightning.rewards import (
     JpegCompressibility, JpegIncompressibility, MonitoredReward, Reward, WeightedReward,
 )

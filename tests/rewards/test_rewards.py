@@ -9,7 +9,7 @@ import torch
 from transformers import CLIPModel, CLIPProcessor
 
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.nonfinite import NonFiniteError
+from jagg_lightning.faults.nonfinite import NonFiniteError
 from jagg_lightning.rewards import (
     AestheticReward,
     CLIPScoreReward,
@@ -185,7 +185,7 @@ class NaNAfterFirstCall(Reward):
 
 
 def test_nan_score_stops_the_step_with_the_reward_name(rng_seed):
-    """A NaN score is the non-finite guard's (jagg_lightning/nonfinite.py): with grpo.max_nonfinite_in_a_row 1 the
+    """A NaN score is the non-finite guard's (jagg_lightning/faults/nonfinite.py): with grpo.max_nonfinite_in_a_row 1 the
     first such update stops the run, naming the reward and the samples, and the weights never saw it."""
     module = make_module(rng_seed % 10_000, max_nonfinite_in_a_row=1)
     module.reward_fn = NaNAfterFirstCall()

@@ -8,9 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
-from jagg_lightning.images import gif_bytes, image_grid
 from jagg_lightning.rewards import FrameReward, JpegCompressibility, TemporalConsistency, WeightedReward
 from jagg_lightning.rewards.jpeg import jpeg_size_kb
+from jagg_lightning.training.images import gif_bytes, image_grid
 
 
 def smooth_videos(gen, b=3, f=6, side=32):

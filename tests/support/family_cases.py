@@ -16,11 +16,11 @@ from typing import Callable
 import torch
 
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
-from jagg_lightning.conditions import ConditionedPrompt, condition_pixels
+from jagg_lightning.models.conditions import ConditionedPrompt, condition_pixels
 from jagg_lightning.policies.flux import build_tiny_flux_pipeline
-from jagg_lightning.policies.flux_kontext import build_tiny_flux_kontext_pipeline
 from jagg_lightning.policies.flux2 import build_tiny_flux2_pipeline
 from jagg_lightning.policies.flux2_dev import build_tiny_flux2_dev_pipeline
+from jagg_lightning.policies.flux_kontext import build_tiny_flux_kontext_pipeline
 from jagg_lightning.policies.sd3 import build_tiny_sd3_pipeline
 from jagg_lightning.policies.z_image import build_tiny_z_image_pipeline
 

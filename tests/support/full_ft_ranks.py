@@ -11,9 +11,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from jagg_lightning.collectives import end_process_group
-from jagg_lightning.data import PromptDataModule
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.data import PromptDataModule
+from jagg_lightning.distributed.collectives import end_process_group
 from jagg_lightning.policies import PolicyConfig
 from jagg_lightning.strategies import FSDP2Strategy
 

@@ -5,7 +5,7 @@ from contextlib import contextmanager
 
 import torch
 
-from jagg_lightning.grpo import StepRecord, step_loss
+from jagg_lightning.method.grpo import StepRecord, step_loss
 from jagg_lightning.policies import PolicyConfig
 from jagg_lightning.policies.sd3 import SD3Policy
 from jagg_lightning.rewards import JpegCompressibility

@@ -24,7 +24,7 @@ import torch
 def jagg_in_process(*args, cwd, capfd, monkeypatch) -> subprocess.CompletedProcess:
     """``jagg args...`` from ``cwd``: a CompletedProcess with its exit status, stdout and stderr (``capfd``'s)."""
     from jagg_lightning.cli import main
-    from jagg_lightning.quiet import QUIET_LOGGERS
+    from jagg_lightning.cli.quiet import QUIET_LOGGERS
 
     args = list(map(str, args))
     monkeypatch.chdir(cwd)

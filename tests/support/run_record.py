@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning as L
 from safetensors.torch import save_file
 
-from jagg_lightning.sharding import full_tensor
+from jagg_lightning.utils.sharding import full_tensor
 
 
 class RunRecord(L.Callback):

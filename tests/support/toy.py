@@ -4,10 +4,10 @@ trajectories, step losses and exact / JAGG gradients the engine tests build on t
 import torch
 from torch import nn
 
-from jagg_lightning.grpo import StepRecord, step_loss
-from jagg_lightning.jagg import accumulate_gradients, alphas, plan_windows
-from jagg_lightning.routing import route_windows
-from jagg_lightning.sde import flow_match_sigmas, sample_step, step_distribution
+from jagg_lightning.method.grpo import StepRecord, step_loss
+from jagg_lightning.method.jagg import accumulate_gradients, alphas, plan_windows
+from jagg_lightning.method.routing import route_windows
+from jagg_lightning.method.sde import flow_match_sigmas, sample_step, step_distribution
 
 
 class AffineLoRAVelocity(nn.Module):

@@ -4,7 +4,7 @@ first-frame reward."""
 
 import torch
 
-from jagg_lightning.conditions import condition_pixels
+from jagg_lightning.models.conditions import condition_pixels
 from jagg_lightning.policies.wan_i2v import build_tiny_wan_i2v_pipeline
 
 from family_cases import CONDITIONED_PROMPTS

@@ -104,11 +104,11 @@ def write(kind: str, what, target: Path, step: int) -> None:
 
         AtomicCheckpointIO().save_checkpoint(what, target)
     elif kind == "adapter":
-        from jagg_lightning.adapters import save_adapter
+        from jagg_lightning.models.adapters import save_adapter
 
         save_adapter(what, target, step=step)
     else:
-        from jagg_lightning.export import save_transformer
+        from jagg_lightning.models.export import save_transformer
 
         save_transformer(what, target, step=step, max_shard_size=40_000)  # sharded: several files
 

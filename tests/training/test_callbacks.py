@@ -10,7 +10,7 @@ from PIL import Image
 from jagg_lightning.callbacks import ExactnessDiagnostics, RoutingStats, SampleImages
 from jagg_lightning.callbacks.exactness import spearman
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.jagg import check_window_gradients, plan_windows
+from jagg_lightning.method.jagg import check_window_gradients, plan_windows
 
 from toy import setup as toy_setup
 from modules import PROMPTS, make_module

@@ -14,14 +14,14 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from safetensors.torch import load_file
 
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
-from jagg_lightning.checks import check_strategy
 from jagg_lightning.callbacks import LoRAExport
-from jagg_lightning.compiling import compile_counts, compile_policy, is_compiled, repeated_blocks
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.passes import reference_steps
+from jagg_lightning.models.compiling import compile_counts, compile_policy, is_compiled, repeated_blocks
 from jagg_lightning.policies import PolicyConfig
-from jagg_lightning.rollout import plan_rollout
-from jagg_lightning.update import StepReport, UpdateHooks
+from jagg_lightning.training.passes import reference_steps
+from jagg_lightning.training.rollout import plan_rollout
+from jagg_lightning.training.update import StepReport, UpdateHooks
+from jagg_lightning.utils.checks import check_strategy
 
 from helpers import lora_grads, randomize_lora_b, rel_error, tiny_policy_config
 

@@ -20,7 +20,7 @@ from in_process import jagg_in_process
 from launch import search_path
 from write_faults import build, checkpoint_of, digests, write
 
-from jagg_lightning.adapters import lora_state_dict, read_adapter, save_adapter
+from jagg_lightning.models.adapters import lora_state_dict, read_adapter, save_adapter
 
 pytestmark = pytest.mark.subprocess
 
@@ -76,7 +76,7 @@ def test_write_past_a_file_size_limit_keeps_the_previous_one(kind, tmp_path, rng
 KILLED = textwrap.dedent('''
     import os, signal, sys
     from pathlib import Path
-    import jagg_lightning.io as io
+    import jagg_lightning.faults.io as io
     from write_faults import build, write
     kind, target, seed, moment = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     what = build(kind, seed)

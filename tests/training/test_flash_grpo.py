@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from jagg_lightning.batching import batch_slice
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
-from jagg_lightning.grpo import StepRecord, rectification_weights, step_loss
-from jagg_lightning.rollout import group_steps
+from jagg_lightning.method.grpo import StepRecord, rectification_weights, step_loss
+from jagg_lightning.training.rollout import group_steps
+from jagg_lightning.utils.batching import batch_slice
 
 from helpers import float64_reward, lora_grads, randomize_lora_b, rel_error, tiny_policy_config
 from modules import PROMPTS, fit

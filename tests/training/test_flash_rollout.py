@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
-from jagg_lightning.grpo import group_advantages
+from jagg_lightning.method.grpo import group_advantages
 
 from helpers import (
     counted_velocity, exact_per_step_gradient, float64_reward, lora_grads, randomize_lora_b, rel_error,

@@ -8,10 +8,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 import jagg_lightning.module as module_lib
+from jagg_lightning import JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.cli import cli_main
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.grpo import group_advantages
-from jagg_lightning import JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.method.grpo import group_advantages
 from jagg_lightning.policies.sd3 import SD3Policy, build_tiny_sd3_pipeline
 
 from helpers import exact_per_step_gradient, randomize_lora_b, rel_error, tiny_policy_config

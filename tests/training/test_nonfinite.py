@@ -12,7 +12,7 @@ import torch
 
 from jagg_lightning import GRPOConfig
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.nonfinite import NonFiniteError
+from jagg_lightning.faults.nonfinite import NonFiniteError
 
 from faults import PoisonedReward, StepCounter, poison_advantages, poison_gradient, poison_log_probs, poison_rollout
 from modules import make_module

@@ -15,7 +15,7 @@ import torch
 
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, PromptDataModule, SamplingConfig
 from jagg_lightning.callbacks import LoRAExport, Preemption
-from jagg_lightning.preemption import Preempted, active
+from jagg_lightning.faults.preemption import Preempted, active
 
 from helpers import fresh_seed, tiny_policy_config
 from preempt_faults import SignalAt, SignalingReward

@@ -10,12 +10,12 @@ import lightning as L
 import pytest
 import torch
 
-from jagg_lightning.data import PromptDataModule
-from jagg_lightning.grpo import StepLossStats, group_advantages
 from jagg_lightning import EvalConfig, GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.data import PromptDataModule
+from jagg_lightning.method.grpo import StepLossStats, group_advantages
 from jagg_lightning.rewards import Reward
-from jagg_lightning.metrics import FirstUpdateRatioCheck
-from jagg_lightning.rollout import choose_windows, plan_rollout, sde_window_start
+from jagg_lightning.training.metrics import FirstUpdateRatioCheck
+from jagg_lightning.training.rollout import choose_windows, plan_rollout, sde_window_start
 
 from helpers import exact_per_step_gradient, randomize_lora_b, rel_error, tiny_policy_config
 from modules import PROMPTS, fit

@@ -1,7 +1,7 @@
-"""The layout docs/architecture.md describes, checked on the source: room sizes, one direction of imports, no
-import cycle (counting imports inside functions, and a module importing its own package), no function-level import
-of the project's own modules in policies/, and plain-torch parts that never import Lightning (directly or through
-another part)."""
+"""The layout docs/architecture.md describes, checked on the source: every module in its folder, one direction of
+imports between the folders, room sizes, no import cycle (counting imports inside functions, and a module importing
+its own package), no function-level import of the project's own modules in policies/, and plain-torch parts that
+never import Lightning (directly, through another part, or through their folder's ``__init__``)."""
 
 import ast
 from pathlib import Path
@@ -9,12 +9,36 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "jagg_lightning"
-# the parts that are plain torch: they can be read, tested and reused without Lightning
-PLAIN = ["jagg", "routing", "objectives", "sde", "ode_solvers", "grpo", "config", "checks", "dtypes", "old_keys", "rollout", "passes",
-         "sampler", "update", "collectives", "metrics", "batching", "full_finetune", "reference", "export", "sharded_checkpoint",
-         "estimators", "adapters", "grids", "policy_checks", "policies", "memory_plan.plan", "memory_plan.advice",
-         "memory_plan.models", "memory_plan.trace", "memory_plan.shapes", "memory_plan.table"]
-HIGHER = ("jagg_lightning.callbacks", "jagg_lightning.testbed", "jagg_lightning.cli")  # nothing in the core imports these
+# the modules at the top of the package: what a user hands the Trainer, and the public re-export kept for configs
+TOP = {"jagg_lightning", "jagg_lightning.__main__", "jagg_lightning.module", "jagg_lightning.data",
+       "jagg_lightning.strategies"}
+REEXPORTS = {"jagg_lightning.strategies"}  # public paths kept for configs: nothing inside the package imports them
+# folder -> the folders it may import (besides itself and the leaves of utils/); the direction is this table's,
+# acyclic (test_the_folder_order_is_a_direction); "top" is module.py and data.py
+UNDER = {
+    "utils": set(),
+    "faults": set(),
+    "method": set(),
+    "models": {"faults"},
+    "config": {"method", "models"},
+    "policies": {"models", "config"},
+    "rewards": {"models"},
+    "distributed": {"faults", "models"},
+    "training": {"faults", "method", "models", "config", "policies", "rewards", "distributed"},
+    "objectives": {"faults", "method", "models", "config", "policies", "rewards", "distributed", "training"},
+    "memory_plan": {"faults", "method", "models", "config", "policies", "rewards", "distributed", "training"},
+    "top": {"faults", "method", "models", "config", "policies", "rewards", "distributed", "training", "objectives"},
+    "testbed": {"faults", "method", "models", "config", "policies", "rewards", "distributed", "training",
+                "objectives", "top"},
+    "callbacks": {"faults", "method", "models", "config", "policies", "rewards", "distributed", "training",
+                  "objectives", "top", "testbed"},
+    "cli": {"faults", "method", "models", "config", "policies", "rewards", "distributed", "training", "objectives",
+            "memory_plan", "top", "testbed", "callbacks"},
+}
+# the modules that use Lightning; every other module is plain torch and never imports it, even indirectly
+LIGHTNING = ("jagg_lightning.module", "jagg_lightning.data", "jagg_lightning.callbacks", "jagg_lightning.cli",
+             "jagg_lightning.__main__", "jagg_lightning.strategies", "jagg_lightning.distributed.strategies",
+             "jagg_lightning.training.images", "jagg_lightning.training.state", "jagg_lightning.testbed.evaluate")
 
 
 def module_name(path: Path) -> str:
@@ -78,10 +102,82 @@ def test_rooms_are_small():
     assert "JAGGModule" in FILES["jagg_lightning.module"].read_text()  # the size check saw the module
 
 
-def test_the_core_never_imports_callbacks_testbed_or_cli():
-    core = [n for n in FILES if not n.startswith(HIGHER) and n != "jagg_lightning.__main__"]
-    wrong = {n: sorted(m for m in imports(FILES[n]) if m.startswith(HIGHER)) for n in core}
-    assert len(core) > 20 and not {n: m for n, m in wrong.items() if m}
+def folder(name: str) -> str:
+    """The folder a module is in: ``jagg_lightning.method.jagg`` -> ``method``; module.py and data.py: ``top``."""
+    parts = name.split(".")
+    if name in ("jagg_lightning.module", "jagg_lightning.data"):
+        return "top"
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and FILES[name].name == "__init__.py") else name
+
+
+def wrong_direction(graph: dict[str, set[str]]) -> list[str]:
+    """The imports of ``graph`` (module -> the package's modules it imports) that go against :data:`UNDER`."""
+    wrong = []
+    for name, targets in sorted(graph.items()):
+        if name in TOP - {"jagg_lightning.module", "jagg_lightning.data"}:
+            continue  # the package root, __main__ (-> cli) and the re-exports: checked by their own tests
+        here = folder(name)
+        for target in sorted(targets):
+            there = folder(target)
+            if target in REEXPORTS:
+                wrong.append(f"{name} imports the re-export {target} (import its new place)")
+            elif there != here and there != "utils" and there not in UNDER[here]:
+                wrong.append(f"{name} ({here}/) imports {target} ({there}/)")
+    return wrong
+
+
+def test_every_module_is_in_a_folder():
+    """A new module goes in the folder of its concern (docs/architecture.md); the top holds only what a user hands
+    the Trainer (module.py, data.py), the entry points and the kept re-exports."""
+    loose = sorted(n for n in FILES if n.count(".") == 1 and FILES[n].name != "__init__.py" and n not in TOP)
+    assert not loose, f"put these in a folder: {loose}"
+    assert {folder(n) for n in FILES if n not in TOP} | {"top"} == set(UNDER), "a folder UNDER does not list"
+
+
+def test_imports_go_one_way_between_folders():
+    """Counting imports inside functions: the method imports nothing of the training step, models/ nothing of
+    policies/, the core never imports callbacks/, testbed/ or cli/ (the CLI: imported by ``__main__`` alone), ..."""
+    graph = {n: package_imports(n) for n in FILES}
+    assert not wrong_direction(graph)
+    assert package_imports("jagg_lightning.__main__") == {"jagg_lightning.cli"}
+    assert package_imports("jagg_lightning.strategies") == {"jagg_lightning.distributed.strategies"}
+    assert "jagg_lightning.method.jagg" in graph["jagg_lightning.training.update"]  # the graph saw the imports
+
+
+def test_the_direction_check_sees_a_wrong_import():
+    """A method module importing the training step, a model importing a family, the step importing the CLI and a
+    package module importing a re-export are each reported; the package as it is gives nothing to report."""
+    wrong = wrong_direction({"jagg_lightning.method.jagg": {"jagg_lightning.training.update"},
+                             "jagg_lightning.models.adapters": {"jagg_lightning.policies.base"},
+                             "jagg_lightning.training.sampler": {"jagg_lightning.cli.plan", "jagg_lightning.utils.checks"},
+                             "jagg_lightning.training.update": {"jagg_lightning.strategies"}})
+    assert len(wrong) == 4 and all("utils" not in w for w in wrong), wrong
+
+
+def test_the_folder_order_is_a_direction():
+    """:data:`UNDER` has no cycle: two folders never may import each other, even through a third."""
+    state: dict[str, int] = {}
+
+    def walk(node, path):
+        assert state.get(node) != 1, "folder cycle: " + " -> ".join(path + [node])
+        if state.get(node) != 2:
+            state[node] = 1
+            for nxt in sorted(UNDER[node]):
+                walk(nxt, path + [node])
+            state[node] = 2
+
+    for node in UNDER:
+        walk(node, [])
+
+
+def test_folders_say_what_lives_there():
+    """Each folder's ``__init__`` has a docstring naming what it may import; the new folders' ``__init__`` import
+    nothing, so importing a plain part runs no more than that part."""
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "import" in doc, f"{init.parent.name}/__init__.py: say what lives there and what it may import"
+    for name in ("method", "training", "models", "distributed", "faults", "utils"):
+        assert not imports(PACKAGE / name / "__init__.py"), name
 
 
 def test_no_import_cycle():
@@ -123,15 +219,17 @@ def test_policies_import_nothing_of_ours_inside_functions():
     assert not {n: m for n, m in lazy.items() if m}
 
 
-@pytest.mark.parametrize("part", PLAIN)
+@pytest.mark.parametrize("part", sorted(n for n in FILES if not n.startswith(LIGHTNING) and n != "jagg_lightning"))
 def test_plain_parts_do_not_import_lightning(part):
-    """Nor does any part they import (the package's __init__ aside: importing a part runs it, by Python's rules)."""
-    seen, todo = set(), [f"jagg_lightning.{part}"]
+    """Nor does any part they import, nor their folder's ``__init__`` (which Python runs first); the package root
+    aside (its names are imported on first use)."""
+    seen, todo = set(), [part]
     while todo:
         name = todo.pop()
         if name in seen:
             continue
         seen.add(name)
         assert not any(m == "lightning" or m.startswith(("lightning.", "pytorch_lightning")) for m in imports(FILES[name])), name
-        todo += sorted(package_imports(name))
-    assert f"jagg_lightning.{part}" in seen
+        parent = name.rpartition(".")[0]
+        todo += sorted(package_imports(name)) + ([parent] if parent in FILES and parent != "jagg_lightning" else [])
+    assert part in seen

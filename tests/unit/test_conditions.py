@@ -10,10 +10,10 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from jagg_lightning.conditions import (
+from jagg_lightning.data import PromptDataModule, PromptDataset, unpack_prompt_batch
+from jagg_lightning.models.conditions import (
     ConditionedPrompt, check_condition_counts, condition_images, condition_pixels, fit_to, read_conditioned_prompts,
 )
-from jagg_lightning.data import PromptDataModule, PromptDataset, unpack_prompt_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from jagg_lightning.config import JAGGConfig
-from jagg_lightning.estimators import ControlVariateEstimator, draw_corrections
-from jagg_lightning.jagg import Window, flat_gradient
-from jagg_lightning.routing import route_windows
+from jagg_lightning.method.estimators import ControlVariateEstimator, draw_corrections
+from jagg_lightning.method.jagg import Window, flat_gradient
+from jagg_lightning.method.routing import route_windows
 
 from helpers import rel_error
 from test_fused import build, fit_once

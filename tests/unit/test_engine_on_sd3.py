@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from jagg_lightning.grpo import StepRecord, step_loss
-from jagg_lightning.jagg import accumulate_gradients, plan_windows
-from jagg_lightning.routing import route_windows
-from jagg_lightning.rollout import sample_generators, sample_trajectories
-from jagg_lightning.sde import flow_match_sigmas
+from jagg_lightning.method.grpo import StepRecord, step_loss
+from jagg_lightning.method.jagg import accumulate_gradients, plan_windows
+from jagg_lightning.method.routing import route_windows
+from jagg_lightning.method.sde import flow_match_sigmas
+from jagg_lightning.training.rollout import sample_generators, sample_trajectories
 
 from helpers import build_policy, exact_per_step_gradient, lora_grads, rel_error
 

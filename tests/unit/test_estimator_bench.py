@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from jagg_lightning.jagg import alphas
-from jagg_lightning.sde import flow_match_sigmas
+from jagg_lightning.method.jagg import alphas
+from jagg_lightning.method.sde import flow_match_sigmas
 
 ROOT = Path(__file__).resolve().parents[2]
 

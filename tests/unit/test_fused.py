@@ -6,9 +6,9 @@ import lightning as L
 import pytest
 import torch
 
-from jagg_lightning.data import PromptDataModule
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, MemoryConfig, SamplingConfig
-from jagg_lightning.passes import fused_graph_steps, fused_samples, pass_plan
+from jagg_lightning.data import PromptDataModule
+from jagg_lightning.training.passes import fused_graph_steps, fused_samples, pass_plan
 
 from helpers import float64_reward, randomize_lora_b, rel_error, tiny_policy_config
 
@@ -199,7 +199,7 @@ def test_interpolated_reference_inside_routed_windows(fused, rng_seed):
     """``interpolate_reference``: the rollout takes the reference only where a backward is certain (the
     anchors); after routing, a routed window's interior reference is the alpha-interpolation of its
     anchors' and an exact window's is a real adapter-off forward. Fused and unfused agree (float64)."""
-    from jagg_lightning.jagg import alphas
+    from jagg_lightning.method.jagg import alphas
 
     seed = rng_seed % 10_000
     options = dict(jagg_frac=0.5, kl_beta=0.2, interpolate_reference=True)

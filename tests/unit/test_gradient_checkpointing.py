@@ -4,10 +4,10 @@ import lightning as L
 import pytest
 import torch
 
-from jagg_lightning.data import PromptDataModule
-from jagg_lightning.jagg import plan_windows
-from jagg_lightning.routing import route_windows
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.data import PromptDataModule
+from jagg_lightning.method.jagg import plan_windows
+from jagg_lightning.method.routing import route_windows
 
 from helpers import build_policy, randomize_lora_b, rel_error, tiny_policy_config
 from test_engine_on_sd3 import TRAINED, engine_gradient, rollout

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
-from jagg_lightning.grids import (RIGHT, UNMARKED, WRONG, font, grid_layout, image_grid, labelled_grid, reward_marks,
-                                  weights_label)
-from jagg_lightning.metrics import EvalSums
 from jagg_lightning.rewards import JpegCompressibility
 from jagg_lightning.rewards.digits import DigitReward
+from jagg_lightning.training.grids import (RIGHT, UNMARKED, WRONG, font, grid_layout, image_grid, labelled_grid, reward_marks,
+                                  weights_label)
+from jagg_lightning.training.metrics import EvalSums
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +119,8 @@ def test_summary_numbers_round_float32_shares_as_their_fractions():
 def test_conditioned_prompts_show_their_source_before_the_results(threes, rng_seed):
     """Editing / image-to-video: the evaluation grid puts each row's source (fitted to the samples' size) in an
     unframed first column under its own "source" label, then the framed results; the cells stay whole."""
-    from jagg_lightning.conditions import ConditionedPrompt, fit_to
-    from jagg_lightning.grids import with_sources
+    from jagg_lightning.models.conditions import ConditionedPrompt, fit_to
+    from jagg_lightning.training.grids import with_sources
 
     reward, images = threes
     gen = torch.Generator().manual_seed(rng_seed)

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from jagg_lightning.grpo import StepRecord, global_reward_std, group_advantages, step_loss
-from jagg_lightning.sde import flow_match_sigmas, sample_step, step_distribution
+from jagg_lightning.method.grpo import StepRecord, global_reward_std, group_advantages, step_loss
+from jagg_lightning.method.sde import flow_match_sigmas, sample_step, step_distribution
 
 
 def test_advantages_zero_mean_per_group_and_constant_groups_zero(rng_seed):

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from jagg_lightning.config import GRPOConfig, JAGGConfig, SamplingConfig, check_sections
-from jagg_lightning.grpo import StepRecord, gradient_scale, guarded_log_ratio, rectification_weights, step_loss
-from jagg_lightning.routing import route_windows
-from jagg_lightning.rollout import group_steps, plan_rollout, sample_trajectories
-from jagg_lightning.sde import flow_match_sigmas, sample_step, step_distribution
+from jagg_lightning.method.grpo import StepRecord, gradient_scale, guarded_log_ratio, rectification_weights, step_loss
+from jagg_lightning.method.routing import route_windows
+from jagg_lightning.method.sde import flow_match_sigmas, sample_step, step_distribution
+from jagg_lightning.training.rollout import group_steps, plan_rollout, sample_trajectories
 
 from helpers import rel_error
 from toy import SineTimeVelocity, exact_gradient, jagg_gradient, setup

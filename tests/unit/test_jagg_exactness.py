@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from jagg_lightning.grpo import step_loss
-from jagg_lightning.jagg import alphas, interpolation_terms, plan_windows, weighted_sum
-from jagg_lightning.routing import interpolation_residual, route_windows
-from jagg_lightning.sde import flow_match_sigmas
+from jagg_lightning.method.grpo import step_loss
+from jagg_lightning.method.jagg import alphas, interpolation_terms, plan_windows, weighted_sum
+from jagg_lightning.method.routing import interpolation_residual, route_windows
+from jagg_lightning.method.sde import flow_match_sigmas
 
 from helpers import rel_error
 from toy import SineTimeVelocity, exact_gradient, jagg_gradient, setup

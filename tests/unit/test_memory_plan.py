@@ -12,7 +12,7 @@ from jagg_lightning.memory_plan import Setup, plan_memory
 from jagg_lightning.memory_plan.models import model_spec, shipped_spec, shipped_specs, twin_spec
 from jagg_lightning.memory_plan.plan import base_params
 from jagg_lightning.policies import build_policy
-from jagg_lightning.sampler import Sampler
+from jagg_lightning.training.sampler import Sampler
 
 from helpers import fresh_seed
 
@@ -95,7 +95,7 @@ def test_shipped_configs_count_the_published_parameters(hub_id):
 def test_every_preset_hub_id_has_a_shipped_config():
     import yaml
 
-    from jagg_lightning.assets import find_local
+    from jagg_lightning.utils.assets import find_local
 
     presets = ["sd35_medium", "flux_dev", "flux_kontext_dev", "flux2_klein", "flux2_dev", "qwen_image", "wan21_t2v_1_3b",
                "wan22_t2v_a14b"]

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from jagg_lightning import GRPOConfig, JAGGConfig, MemoryConfig, ObjectiveConfig, SamplingConfig
-from jagg_lightning.jagg import Window, flat_gradient
+from jagg_lightning.method.jagg import Window, flat_gradient
 from jagg_lightning.objectives import OBJECTIVES, build_objective
 from jagg_lightning.objectives.forward_process import ForwardProcessUpdater, MatchingPoint, OldPolicy, noise_levels
 from jagg_lightning.objectives.nft import nft_decay
-from jagg_lightning.sampler import Sampler
-from jagg_lightning.update import StepReport
+from jagg_lightning.training.sampler import Sampler
+from jagg_lightning.training.update import StepReport
 
 from helpers import build_policy, randomize_lora_b, rel_error
 from toy import AffineLoRAVelocity, SineTimeVelocity

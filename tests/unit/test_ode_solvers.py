@@ -1,4 +1,4 @@
-"""The rollout's ODE tail (``jagg_lightning.ode_solvers``): DPM-Solver++(2M) in its flow-matching form equals diffusers'
+"""The rollout's ODE tail (``jagg_lightning.method.ode_solvers``): DPM-Solver++(2M) in its flow-matching form equals diffusers'
 ``DPMSolverMultistepScheduler`` (float64, every state), its first-order steps are the Euler steps bit for bit, it is
 more accurate than Euler at equal evaluations against a fine solve of a smooth nonlinear flow, and the tail's grid
 keeps the trained steps' times and the schedule's own spacing."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 from diffusers import DPMSolverMultistepScheduler
 
-from jagg_lightning.ode_solvers import ODEStepper, ode_tail, tail_times
-from jagg_lightning.sde import flow_match_sigmas, step_distribution
+from jagg_lightning.method.ode_solvers import ODEStepper, ode_tail, tail_times
+from jagg_lightning.method.sde import flow_match_sigmas, step_distribution
 
 D = 6  # latent elements per sample
 

@@ -11,8 +11,8 @@ import pytest
 
 from jagg_lightning.callbacks import DigitAccuracy, SampleImages
 from jagg_lightning.callbacks.predictions import SLUG_CHARS, file_stem, slug
-from jagg_lightning.jagg import Window
-from jagg_lightning.routing import rounding_note, route_windows
+from jagg_lightning.method.jagg import Window
+from jagg_lightning.method.routing import rounding_note, route_windows
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = ["a", "handwritten", "digit", "cat", "lighthouse", "at", "night", "crème", "brûlée", "—", "7", "猫", "!!",
@@ -49,7 +49,7 @@ def test_grid_header_says_what_each_count_is_over(rng_seed):
     samples = SampleImages(prompts=[f"a handwritten digit {d}" for d in range(rows)], samples_per_prompt=per)
     trainer = L.Trainer(callbacks=[accuracy, samples], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    from jagg_lightning.grids import GridMarks
+    from jagg_lightning.training.grids import GridMarks
 
     labels = samples.column_labels(trainer, GridMarks(correct))
     for half, (label, name) in enumerate(zip(labels, ["base", "fine-tuned"])):
@@ -61,7 +61,7 @@ def test_grid_header_says_what_each_count_is_over(rng_seed):
 
 
 def test_the_digits_validate_grid_pictures_the_ten_digits():
-    from jagg_lightning.cli_lightning import parse_config
+    from jagg_lightning.cli.lightning_cli import parse_config
     from jagg_lightning.data import read_prompts
     from jagg_lightning.rewards.digits import prompt_digit
 

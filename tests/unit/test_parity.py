@@ -9,10 +9,10 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from jagg_lightning.grpo import StepRecord, group_advantages, step_loss
 from jagg_lightning import GRPOConfig, SamplingConfig
-from jagg_lightning.rollout import sample_generators, sample_trajectories
-from jagg_lightning.sde import flow_match_sigmas, sample_step, step_distribution
+from jagg_lightning.method.grpo import StepRecord, group_advantages, step_loss
+from jagg_lightning.method.sde import flow_match_sigmas, sample_step, step_distribution
+from jagg_lightning.training.rollout import sample_generators, sample_trajectories
 
 from toy import AffineLoRAVelocity
 

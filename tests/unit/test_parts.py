@@ -5,12 +5,12 @@ import random
 import pytest
 import torch
 
-from jagg_lightning.collectives import Collectives
 from jagg_lightning.config import JAGGConfig, MemoryConfig, SamplingConfig
-from jagg_lightning.jagg import plan_windows
-from jagg_lightning.metrics import EvalSums
-from jagg_lightning.passes import fused_samples, pass_plan, pass_steps_before_routing, reference_steps
-from jagg_lightning.rollout import plan_rollout, step_kinds_at
+from jagg_lightning.distributed.collectives import Collectives
+from jagg_lightning.method.jagg import plan_windows
+from jagg_lightning.training.metrics import EvalSums
+from jagg_lightning.training.passes import fused_samples, pass_plan, pass_steps_before_routing, reference_steps
+from jagg_lightning.training.rollout import plan_rollout, step_kinds_at
 
 
 def routed(windows, which):

@@ -28,13 +28,13 @@ def test_lightning_hands_the_cli_config_to_save_hyperparameters_through_a_contex
 
 
 def test_lightning_cli_keeps_its_subcommand_parsers():
-    """cli_lightning.py reads ``LightningCLI._subcommand_parsers`` for the keys a typo is matched against ("did you
+    """cli/lightning_cli.py reads ``LightningCLI._subcommand_parsers`` for the keys a typo is matched against ("did you
     mean") and for the model section's defaults on --ckpt_path (what the user said vs. what the checkpoint restores)."""
     from lightning.pytorch.cli import LightningCLI
 
     source = inspect.getsource(LightningCLI)
     assert "self._subcommand_parsers[" in source, ("LightningCLI no longer keeps _subcommand_parsers: "
-                                                    "cli_lightning.py's typo suggestions and resume overrides read it")
+                                                    "cli/lightning_cli.py's typo suggestions and resume overrides read it")
 
 
 def test_rich_progress_bar_still_describes_the_epoch_with_a_private_method():
@@ -65,7 +65,7 @@ def test_lightning_names_the_sharded_checkpoint_metadata_as_we_do():
     ModelParallelStrategy writes beside the shards)."""
     from lightning.fabric.utilities import load
 
-    from jagg_lightning.sharded_checkpoint import METADATA_FILE
+    from jagg_lightning.distributed.sharded_checkpoint import METADATA_FILE
 
     assert getattr(load, "_METADATA_FILENAME", None) == METADATA_FILE, (
         "Lightning renamed the sharded checkpoint's metadata file: update sharded_checkpoint.METADATA_FILE")
@@ -105,7 +105,7 @@ def test_module_to_reads_its_arguments_with_public_types_only(args, kwargs, expe
 def test_lightning_keeps_what_the_preemption_stop_reads():
     """callbacks/preemption.py writes a SLURM job's checkpoint where Lightning's auto-resume looks
     (``trainer._checkpoint_connector.hpc_save_path``), reads the cluster environment from
-    ``trainer._accelerator_connector``; cli_lightning.py's ``--ckpt_path last`` weighs
+    ``trainer._accelerator_connector``; cli/lightning_cli.py's ``--ckpt_path last`` weighs
     ``ModelCheckpoint._find_last_checkpoints`` against the stop's checkpoint."""
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -114,7 +114,7 @@ def test_lightning_keeps_what_the_preemption_stop_reads():
     assert callable(getattr(_CheckpointConnector, "hpc_save_path", None)), \
         "lightning moved _CheckpointConnector.hpc_save_path: Preemption's SLURM checkpoint (callbacks/preemption.py)"
     assert callable(getattr(ModelCheckpoint, "_find_last_checkpoints", None)), \
-        "lightning moved ModelCheckpoint._find_last_checkpoints: cli_lightning.py's --ckpt_path last"
+        "lightning moved ModelCheckpoint._find_last_checkpoints: cli/lightning_cli.py's --ckpt_path last"
     trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
     assert hasattr(trainer._accelerator_connector, "cluster_environment"), \
         "lightning moved _AcceleratorConnector.cluster_environment: Preemption's SLURM detection"
@@ -142,7 +142,7 @@ def test_torch_keeps_what_regional_compilation_reads():
     from torch import nn
     from torch._dynamo.utils import counters
 
-    from jagg_lightning.compiling import compile_counts, is_compiled
+    from jagg_lightning.models.compiling import compile_counts, is_compiled
 
     assert isinstance(torch._dynamo.config.recompile_limit, int), \
         "torch renamed torch._dynamo.config.recompile_limit: compiling.compile_policy raises it"

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from jagg_lightning.jagg import alphas
-from jagg_lightning.routing import cosine_score, interpolation_residual, routing_score
 from jagg_lightning import JAGGConfig, JAGGModule, SamplingConfig
-from jagg_lightning.rollout import Trajectory
-from jagg_lightning.sde import flow_match_sigmas
+from jagg_lightning.method.jagg import alphas
+from jagg_lightning.method.routing import cosine_score, interpolation_residual, routing_score
+from jagg_lightning.method.sde import flow_match_sigmas
+from jagg_lightning.training.rollout import Trajectory
 from helpers import tiny_policy_config
 
 

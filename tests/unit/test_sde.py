@@ -4,7 +4,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from jagg_lightning.sde import flow_match_sigmas, sample_step, step_distribution
+from jagg_lightning.method.sde import flow_match_sigmas, sample_step, step_distribution
 
 
 @pytest.mark.parametrize("steps,shift", [(10, 3.0), (40, 3.0), (7, 1.0), (16, 5.0)])

@@ -125,7 +125,7 @@ def metadata_lines(rows: list[dict]) -> str:
 
 
 def write_metadata(train_path: Path = TRAIN_METADATA, heldout_path: Path = HELDOUT_METADATA) -> None:
-    from jagg_lightning.io import atomic_write
+    from jagg_lightning.faults.io import atomic_write
 
     for path, rows in zip((train_path, heldout_path), split_metadata()):
         atomic_write(path, lambda tmp, rows=rows: Path(tmp).write_text(metadata_lines(rows), encoding="utf-8"))
