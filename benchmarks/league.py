@@ -10,12 +10,12 @@ The recording and the statistics are ``time_to_quality.py``'s (``Recorder``, ``m
 
 ``METHODS`` is the table: a name -> the overrides of the config's ``sampling`` / ``grpo`` / ``jagg`` sections (every
 entry names ``fused_rollout``: the base config turns it on). ``--methods`` picks names from it; an entry whose
-``needs`` module is not importable (the objectives helper's ``nft`` / ``awm`` / multi-t JAGG, added by name once merged)
-is listed and skipped with the reason. ``--sweep`` runs a small tuning grid per method (``--lr`` x ``--group-size``)
+``needs`` module is not importable is listed and skipped with the reason. ``--sweep`` runs a small tuning grid per method (``--lr`` x ``--group-size``)
 on seeds outside the reported ones, into its own JSON; the summary reports it.
 
-    OMP_NUM_THREADS=1 python benchmarks/league.py --seeds 0 1 --steps 20 --eval-every 5 --name league_small.json
-    python benchmarks/league.py --replot benchmarks/results/league_small.json --name league_small.json
+    OMP_NUM_THREADS=1 python benchmarks/league.py --seeds 0 2 4 --name league_a.json   # (benchmarks/README.md)
+    python benchmarks/league.py --replot benchmarks/results/league_a.json benchmarks/results/league_b.json \
+        --name league.json
     OMP_NUM_THREADS=1 python benchmarks/league.py --sweep --seeds 100 --methods exact flash_grpo \
         --lr 5e-4 1e-3 2e-3 --group-size 4 8 --steps 20 --name league_sweep.json
 """
@@ -84,7 +84,6 @@ METHODS = {
                         what="exact + GRPO-Guard"),
     "jagg_w4_flash_tail": dict(sampling=FLASH_TAIL, jagg=dict(window_size=4, jagg_frac=1.0, fused_rollout=True),
                                what="fused JAGG W = 4 over the first 4 steps + the 2M tail"),
-    # the objectives helper's methods: added by name once jagg_lightning.objectives is merged (config overrides)
     # the forward-process objectives (docs/method.md section 10): configs/digits_nft.yaml / digits_awm.yaml's settings
     "nft": dict(sampling=dict(trained_steps=None, ode_after_trained=True, ode_solver="dpmpp_2m"),
                 grpo=dict(adv_std="global"), jagg=UNFUSED_EXACT,
@@ -327,9 +326,9 @@ def plot(summary: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
     for ax, key, label in zip(axes, KEYS, ("classifier (the reward's)", "judge (independent)")):
-        for name, r in summary["table"].items():
+        for i, (name, r) in enumerate(summary["table"].items()):  # tab20: 13+ methods, no colour twice
             x, y, band = r["curve_cpu"], r[f"{key}_curve"], [0.0 if math.isnan(h) else h for h in r[f"{key}_band"]]
-            line, = ax.plot(x, y, marker="o", ms=3, label=name)
+            line, = ax.plot(x, y, marker="o", ms=3, label=name, color=plt.cm.tab20(i % 20))
             ax.fill_between(x, [a - h for a, h in zip(y, band)], [a + h for a, h in zip(y, band)],
                             color=line.get_color(), alpha=0.15)
         ax.axhline(summary["reference_final"][key], color="grey", ls=":", lw=1)
