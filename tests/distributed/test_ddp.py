@@ -1,19 +1,15 @@
 """Two CPU processes under Lightning's DDP train exactly like one process on the union of their prompts."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import lightning as L
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from jagg_lightning.data import PromptDataModule
 
 from modules import make_module
-from launch import search_path
+from launch import lightning_ddp_weights
 
 pytestmark = [pytest.mark.distributed, pytest.mark.subprocess, pytest.mark.slow]
 
@@ -39,12 +35,7 @@ DDP_RUN = textwrap.dedent('''
 
 def test_ddp_matches_single_process(tmp_path, rng_seed):
     seed = rng_seed % 10_000
-    script = tmp_path / "ddp_run.py"
-    script.write_text(DDP_RUN)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(seed)], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=600, env=dict(os.environ, PYTHONPATH=search_path()))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rank0, rank1 = load_file(tmp_path / "rank0.safetensors"), load_file(tmp_path / "rank1.safetensors")
+    rank0, rank1 = lightning_ddp_weights(tmp_path, DDP_RUN, seed, timeout=600)
 
     # float64: in float32 the two batch layouts differ by ulps, which AdamW's normalisation blows up on
     # near-zero gradient elements (seen: 5e-4 relative on 3 of 64 weights after 2 steps)

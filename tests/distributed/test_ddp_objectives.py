@@ -4,9 +4,6 @@ AWM, each also resumed under FSDP2 from a mid-run checkpoint, theta_old included
 levels are drawn per update from (seed, step), each sample's noise from its own generator, the advantages' std
 all-reduced."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import lightning as L
@@ -18,7 +15,7 @@ from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, ObjectiveConfig, 
 from jagg_lightning.data import PromptDataModule
 
 from helpers import float64_reward, randomize_lora_b, rel_error, sgd, tiny_policy_config
-from launch import run_ranks, search_path
+from launch import lightning_ddp_weights, run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.subprocess, pytest.mark.slow]
 
@@ -56,12 +53,7 @@ DDP_RUN = textwrap.dedent('''
 
 def test_ddp_objective_matches_single_process(tmp_path, rng_seed):
     seed = rng_seed % 10_000
-    script = tmp_path / "ddp_run.py"
-    script.write_text(DDP_RUN)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(seed)], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=900, env=dict(os.environ, PYTHONPATH=search_path()))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rank0, rank1 = load_file(tmp_path / "rank0.safetensors"), load_file(tmp_path / "rank1.safetensors")
+    rank0, rank1 = lightning_ddp_weights(tmp_path, DDP_RUN, seed, timeout=900)
     single = make(seed)
     L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False).fit(single, PromptDataModule(prompts=PROMPTS, batch_size=2, shuffle=False))

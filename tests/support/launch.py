@@ -24,6 +24,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def lightning_ddp_weights(tmp_path: Path, script_text: str, seed: int, timeout: float = 600) -> list[dict]:
+    """Run ``script_text`` (it launches its own ranks with Lightning's DDP and saves each rank's trainable weights to
+    ``rank<r>.safetensors`` in ``argv[1]``) with ``argv = [tmp_path, seed]``; returns [rank 0's, rank 1's]."""
+    from safetensors.torch import load_file
+
+    script = tmp_path / "ddp_run.py"
+    script.write_text(script_text)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(seed)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=timeout, env=dict(os.environ, PYTHONPATH=search_path()))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [load_file(tmp_path / f"rank{r}.safetensors") for r in (0, 1)]
+
+
 def run_ranks(script: Path | list[str], *args: str, world: int = 2, timeout: float = 120,
               cwd: Path | None = None, stderr: list[str] | None = None) -> list[str]:
     """Run ``python script args...`` as ``world`` ranks of one job; returns each rank's stdout (``stderr``, a list:
