@@ -9,6 +9,13 @@
 - ``Content-Type: application/json``: ``{"prompts": [B strings], "images": [B base64 PNG strings]}``,
   every PNG 8-bit RGB and all of one size.
 
+Either may add each prompt's data row (``rows``: a JSON array of B objects, ``{}`` for a prompt without one; in
+the safetensors metadata as a JSON string, in the JSON body as an array): GenEval's ``tag`` / ``include`` /
+``exclude``, which a served :class:`~jagg_lightning.rewards.GenEvalReward` scores against, as Flow-GRPO's GenEval
+server receives each image's metadata. The sender adds them when any prompt carries one
+(:func:`jagg_lightning.models.conditions.metadata_of`); the server hands them back to the reward as
+:class:`~jagg_lightning.models.conditions.ConditionedPrompt` metadata. Condition images do not travel.
+
 Both are 8 bits per channel: the sender rounds ``x * 255`` (as :func:`jagg_lightning.rewards.to_pil`
 does), the server scores ``uint8 / 255``. :func:`quantize` gives the images the server sees, so an
 in-process score of ``quantize(images)`` equals the served one. The answer is JSON:
@@ -64,12 +71,17 @@ def quantize(images: Tensor) -> Tensor:
 
 
 def encode(images: Tensor, prompts: list[str], encoding: str = "safetensors") -> tuple[bytes, str]:
-    """A ``POST /score`` body and its content type."""
+    """A ``POST /score`` body and its content type (with the prompts' data rows when any carries one)."""
+    from jagg_lightning.models.conditions import metadata_of
+
     array = to_uint8(images)
+    rows = [metadata_of(p) for p in prompts]
+    extra = {"rows": rows} if any(rows) else {}
     if encoding == "safetensors":
         from safetensors.numpy import save
 
-        return save({"images": array}, metadata={"prompts": json.dumps(list(prompts))}), SAFETENSORS
+        header = {"prompts": json.dumps([str(p) for p in prompts]), **{k: json.dumps(v) for k, v in extra.items()}}
+        return save({"images": array}, metadata=header), SAFETENSORS
     if encoding == "png":
         from PIL import Image
 
@@ -78,7 +90,7 @@ def encode(images: Tensor, prompts: list[str], encoding: str = "safetensors") ->
             buffer = io.BytesIO()
             Image.fromarray(image).save(buffer, format="PNG", compress_level=1)  # lossless; level only trades speed
             pngs.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
-        return json.dumps({"prompts": list(prompts), "images": pngs}).encode(), JSON
+        return json.dumps({"prompts": [str(p) for p in prompts], "images": pngs, **extra}).encode(), JSON
     raise ValueError(f"encoding must be one of {list(ENCODINGS)}, got {encoding!r}")
 
 
@@ -87,19 +99,33 @@ MAX_PIXELS = 1 << 25  # decoded pixels one request may hold: 2 images of 4096^2,
 
 def decode(body: bytes, content_type: str, max_batch: int, max_side: int,
            max_pixels: int = MAX_PIXELS) -> tuple[np.ndarray, list[str]]:
-    """A request body -> (uint8 [B, H, W, 3], B prompts), or a :class:`WireError` naming what is wrong. What the
+    """A request body -> (uint8 [B, H, W, 3], B prompts: a prompt sent with a data row is a
+    :class:`~jagg_lightning.models.conditions.ConditionedPrompt` carrying it), or a :class:`WireError` naming what is
+    wrong. What the
     pixels will cost is checked from the headers before any is decoded: ``max_pixels`` over the whole batch (a
     131 kB request of two 4096^2 PNGs would otherwise decode to gigabytes)."""
     kind = content_type.split(";")[0].strip().lower()
     if kind in (SAFETENSORS, "application/octet-stream"):
-        array, prompts = _decode_safetensors(body, max_batch, max_side, max_pixels)
+        array, prompts, rows = _decode_safetensors(body, max_batch, max_side, max_pixels)
     elif kind == JSON:
-        array, prompts = _decode_json(body, max_batch, max_side, max_pixels)
+        array, prompts, rows = _decode_json(body, max_batch, max_side, max_pixels)
     else:
         raise WireError(415, f"Content-Type must be {SAFETENSORS} or {JSON}, got {content_type!r}")
     if array.shape[0] != len(prompts):
         raise WireError(422, f"got {array.shape[0]} images but {len(prompts)} prompts; send one prompt per image")
-    return array, prompts
+    return array, _with_rows(prompts, rows)
+
+
+def _with_rows(prompts: list[str], rows) -> list[str]:
+    """The prompts with their data rows (``rows`` absent: as sent), or a 422 naming what is wrong."""
+    if rows is None:
+        return prompts
+    if not isinstance(rows, list) or len(rows) != len(prompts) or not all(isinstance(r, dict) for r in rows):
+        raise WireError(422, f"rows must be a JSON array of {len(prompts)} objects, one per prompt ({{}} for none)")
+    from jagg_lightning.models.conditions import ConditionedPrompt
+
+    return [ConditionedPrompt(p, origin=f"request prompt {i} ({p!r:.60})", metadata=r) if r else p
+            for i, (p, r) in enumerate(zip(prompts, rows))]
 
 
 def _loads(data, what: str):
@@ -138,7 +164,7 @@ def _check_shape(shape, max_side: int) -> None:
                              f"got {shape[1]}x{shape[2]}")
 
 
-def _decode_safetensors(body: bytes, max_batch: int, max_side: int, max_pixels: int) -> tuple[np.ndarray, list[str]]:
+def _decode_safetensors(body: bytes, max_batch: int, max_side: int, max_pixels: int):
     # read the header first, so a wrong dtype or shape is named before any tensor is built
     if len(body) < 8:
         raise WireError(400, "body is not a safetensors file (shorter than its 8-byte header length)")
@@ -160,6 +186,7 @@ def _decode_safetensors(body: bytes, max_batch: int, max_side: int, max_pixels: 
     if not isinstance(metadata, dict) or not isinstance(metadata.get("prompts", "null"), str):
         raise WireError(422, "metadata 'prompts' must be a JSON array of strings")
     prompts = _loads(metadata.get("prompts", "null"), "metadata 'prompts'")
+    rows = _loads(metadata["rows"], "metadata 'rows'") if "rows" in metadata else None
     _check_prompts(prompts, max_batch)
     _check_pixels(int(shape[0]) * int(shape[1]) * int(shape[2]), max_pixels)
     from safetensors import SafetensorError
@@ -169,15 +196,16 @@ def _decode_safetensors(body: bytes, max_batch: int, max_side: int, max_pixels: 
         array = load(body)["images"]
     except SafetensorError as err:
         raise WireError(400, f"body is not a valid safetensors file: {err}") from None
-    return array, prompts
+    return array, prompts, rows
 
 
-def _decode_json(body: bytes, max_batch: int, max_side: int, max_pixels: int) -> tuple[np.ndarray, list[str]]:
+def _decode_json(body: bytes, max_batch: int, max_side: int, max_pixels: int):
     from PIL import Image, UnidentifiedImageError
 
     request = _loads(body, "body")
-    if not isinstance(request, dict) or set(request) != {"prompts", "images"}:
-        raise WireError(422, 'the JSON body must be {"prompts": [...], "images": [base64 PNG, ...]}')
+    if not isinstance(request, dict) or not {"prompts", "images"} <= set(request) <= {"prompts", "images", "rows"}:
+        raise WireError(422, 'the JSON body must be {"prompts": [...], "images": [base64 PNG, ...]} (and optionally '
+                             '"rows": [...])')
     prompts = _check_prompts(request["prompts"], max_batch)
     pngs = request["images"]
     if not isinstance(pngs, list) or not all(isinstance(p, str) for p in pngs):
@@ -208,4 +236,4 @@ def _decode_json(body: bytes, max_batch: int, max_side: int, max_pixels: int) ->
             arrays.append(np.asarray(image, dtype=np.uint8))
         except OSError as err:  # a truncated or corrupt PNG fails only when its pixels are read
             raise WireError(400, f"images[{i}] is not a readable PNG ({err})") from None
-    return np.stack(arrays), prompts
+    return np.stack(arrays), prompts, request.get("rows")

@@ -461,3 +461,43 @@ def test_memory_is_handed_back_after_large_requests():
         assert grown < decoded_mb, f"resident memory grew by {grown:.0f} MB over three requests"
     finally:
         stop(process)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_a_served_geneval_reward_receives_each_prompts_metadata(tmp_path, rng_seed):
+    """GenEval's rules need each prompt's metadata row (Flow-GRPO's GenEval server receives it per image): the rows
+    travel in both encodings, the served scores equal the in-process ones on rendered scenes (right and wrong
+    pairings), and a prompt sent without its row is a 422 naming it, not a retried failure."""
+    from jagg_lightning.models.conditions import ConditionedPrompt
+    from jagg_lightning.rewards import GenEvalReward
+    from jagg_lightning.testbed.scenes import TRAIN_METADATA, render, scene_for
+
+    rows = [json.loads(line) for line in TRAIN_METADATA.read_text().splitlines()]
+    rng = np.random.default_rng(rng_seed)
+    chosen = [rows[i] for i in rng.choice(len(rows), 6, replace=False)]
+    scenes = [np.asarray(render(scene_for(r, rng)), dtype=np.float32) / 255 for r in chosen]
+    images = torch.from_numpy(np.stack(scenes)).permute(0, 3, 1, 2)
+    # each image twice: with its own row and with the next row's (usually wrong), so the scores spread
+    prompts = [ConditionedPrompt(r["prompt"], origin=f"row {i}", metadata=r) for i, r in enumerate(chosen)]
+    prompts += prompts[1:] + prompts[:1]
+    images = torch.cat([images, images])
+    local = GenEvalReward(reader="scenes")
+    expected = local.score(quantize(images), prompts)
+    assert expected.max() == 1 and expected.min() < 1
+    with open(tmp_path / "stderr.log", "w") as log:
+        process, url = start_server("--reward", "geneval", "--init_args", json.dumps({"reader": "scenes"}), log=log)
+    try:
+        for encoding in ("safetensors", "png"):
+            served = RemoteReward(url, encoding=encoding, retries=0).score(images, prompts)
+            assert (served - expected).abs().max() < 1e-6, encoding
+        with pytest.raises(RewardError, match="422.*no GenEval metadata"):
+            RemoteReward(url, retries=0).score(images[:2], [str(p) for p in prompts[:2]])
+        pixels = np.zeros((1, 8, 8, 3), np.uint8)
+        for bad in ([1], [{}, {}], {"tag": "single_object"}):
+            body = save({"images": pixels}, metadata={"prompts": json.dumps(["a photo of a circle"]),
+                                                      "rows": json.dumps(bad)})
+            status, answer = post(url, body, token=None)
+            assert status == 422 and "rows must be a JSON array of 1 objects" in answer["error"], (bad, answer)
+    finally:
+        stop(process)
