@@ -139,14 +139,17 @@ def check_condition_counts(prompts, counts: tuple[int, int], family: str, field:
                              f"{wanted}{hint}")
 
 
-def check_data_conditions(datamodule, policy_class) -> None:
+def check_data_conditions(datamodule, policy_class, reward=None) -> None:
     """:func:`check_condition_counts` of a policy class (its ``condition_images``, ``family``) on a datamodule's
     ``prompts``, ``val_prompts`` and ``predict_prompts`` (those it has: ``PromptDataModule``'s), each named as its
-    ``data`` field -- before the model is built."""
+    ``data`` field, and the reward's own check of the training and validation prompts (``reward.check_prompts``,
+    e.g. GenEval's metadata) -- before the model is built."""
     for field in ("prompts", "val_prompts", "predict_prompts"):
         if getattr(datamodule, field, None):
             check_condition_counts(getattr(datamodule, field), policy_class.condition_images, policy_class.family,
                                    f"data.{field}")
+            if reward is not None and field != "predict_prompts":
+                reward.check_prompts(getattr(datamodule, field), f"data.{field}")
 
 
 # --------------------------------------------------------------------------------------------- the JSONL format

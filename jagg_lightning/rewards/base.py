@@ -129,6 +129,10 @@ class Reward(nn.Module):
     def score(self, images: Tensor, prompts: list[str]) -> Tensor:
         raise NotImplementedError
 
+    def check_prompts(self, prompts: list[str], field: str) -> None:
+        """Refuse, before training, a prompt of the data field ``field`` that this reward could never score (one
+        error naming the field and the prompt). Default: every prompt can be scored."""
+
     def needs_images(self) -> bool:
         """Whether scoring needs the decoded images (a reward holding others: whether any of them does)."""
         return not self.scores_latents

@@ -13,7 +13,7 @@ says the colour of detected objects; the rules select (confidence threshold, the
 
 What each prompt asks is its GenEval metadata (``tag``, ``include``, ``exclude``): a metadata JSONL given as the
 data file (``data.prompts_file: .../evaluation_metadata.jsonl``) hands each prompt its row
-(:func:`jagg_lightning.models.conditions.metadata_of`). A prompt without it is an error naming the prompt.
+(:func:`jagg_lightning.models.conditions.metadata_of`). A prompt without it is an error naming the prompt, raised at setup (:meth:`GenEvalReward.check_prompts`).
 
 Scores (``score:``):
 
@@ -132,6 +132,14 @@ class GenEvalReward(Reward):
         raw = self.reader.detect(arrays, [named_classes(m) for m in metadata])
         return [judge(found, m, lambda objs, name, a=a: self.reader.colors(a, objs, name), self.thresholds)
                 for a, found, m in zip(arrays, raw, metadata)]
+
+    def check_prompts(self, prompts: list[str], field: str) -> None:
+        """Every prompt carries well-formed GenEval metadata (checked before training, not at the first score)."""
+        for prompt in prompts:
+            try:
+                check_metadata(metadata_of(prompt), prompt)
+            except ValueError as err:
+                raise ValueError(f"{field}: {err}") from None
 
     def scores_of(self, judged: list[Judgement]) -> Tensor:
         """The chosen ``score`` of each reading, float32 [B]."""

@@ -31,6 +31,10 @@ class WeightedReward(Reward):
     def needs_images(self) -> bool:
         return any(r.needs_images() for r in self.rewards)
 
+    def check_prompts(self, prompts: list[str], field: str) -> None:
+        for reward in self.rewards:
+            reward.check_prompts(prompts, field)
+
     def needs_latents(self) -> bool:
         return any(r.needs_latents() for r in self.rewards)
 

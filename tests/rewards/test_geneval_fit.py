@@ -53,6 +53,11 @@ def test_metadata_travels_through_batches_and_pickles_and_the_reward_rebuilds():
     assert rebuilt.kind == "strict" and rebuilt.thresholds == reward.thresholds
 
 
-def test_plain_prompts_are_refused_naming_the_prompt(tmp_path, capfd, monkeypatch):
-    proc, _ = tiny_fit_with_reward("geneval", tmp_path, capfd, monkeypatch)
-    assert proc.returncode != 0 and "prompt 'a cat' carries no GenEval metadata" in proc.stderr + proc.stdout
+def test_plain_prompts_are_refused_before_training_naming_the_field_and_prompt(tmp_path, capfd, monkeypatch):
+    """Plain prompts cannot be scored by GenEval's rules: the run stops at setup (the data field named, no step
+    taken, no log written), not at the first score."""
+    import pytest
+
+    with pytest.raises(ValueError, match="data.prompts: prompt 'a cat' carries no GenEval metadata"):
+        tiny_fit_with_reward("geneval", tmp_path, capfd, monkeypatch)
+    assert not list((tmp_path / "run").rglob("metrics.csv"))
