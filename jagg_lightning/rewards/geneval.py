@@ -13,7 +13,8 @@ says the colour of detected objects; the rules select (confidence threshold, the
 
 What each prompt asks is its GenEval metadata (``tag``, ``include``, ``exclude``): a metadata JSONL given as the
 data file (``data.prompts_file: .../evaluation_metadata.jsonl``) hands each prompt its row
-(:func:`jagg_lightning.models.conditions.metadata_of`). A prompt without it is an error naming the prompt, raised at setup (:meth:`GenEvalReward.check_prompts`).
+(:func:`jagg_lightning.models.conditions.metadata_of`). A prompt without it is an error naming the prompt, raised
+at setup (:meth:`GenEvalReward.check_prompts`).
 
 Scores (``score:``):
 
