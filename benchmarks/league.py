@@ -6,7 +6,8 @@ Per (seed, method) one run of ``--steps`` optimizer steps, one thread, seed-majo
 stopped league has whole seeds); time is the process CPU time of the training steps only. Every ``--eval-every``
 steps both readers -- the reward's classifier (``val/digit_accuracy``) and the independent judge
 (``val/judge_accuracy``) -- read the same fixed-noise ODE samples of the 30 HELD-OUT prompts (noise seed 1000 + seed).
-The recording and the statistics are ``time_to_quality.py``'s (``Recorder``, ``mean_ci``, ``crossing``).
+The recording is ``time_to_quality.py``'s (``Recorder``); the statistics, tables, the sweep's choice and the plot are
+``league_report.py``'s.
 
 ``METHODS`` is the table: a name -> the overrides of the config's ``sampling`` / ``grpo`` / ``jagg`` sections (every
 entry names ``fused_rollout``: the base config turns it on). ``--methods`` picks names from it; an entry whose
@@ -17,7 +18,9 @@ on seeds outside the reported ones, into its own JSON; the summary reports it.
     python benchmarks/league.py --replot benchmarks/results/league_a.json benchmarks/results/league_b.json \
         --name league.json
     OMP_NUM_THREADS=1 python benchmarks/league.py --sweep --seeds 100 --methods exact flash_grpo \
-        --lr 5e-4 1e-3 2e-3 --group-size 4 8 --steps 20 --name league_sweep.json
+        --lr 5e-4 1e-3 2e-3 --group-size 4 8 --name league_sweep.json
+    OMP_NUM_THREADS=1 python benchmarks/league.py --tuned benchmarks/results/league_sweep.json \
+        --methods exact flash_grpo --seeds 0 1 2 --name league_tuned.json   # each at the sweep's choice
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import argparse
 import importlib.util
 import itertools
 import json
-import math
 import sys
 import tempfile
 import time
@@ -37,10 +39,10 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from time_to_quality import Recorder, crossing, mean_ci  # noqa: E402  (the shared machinery)
+from league_report import choose, cost_model, plot, summarise, sweep_table, tables, tuned_table  # noqa: E402
+from time_to_quality import Recorder  # noqa: E402  (the shared machinery)
 
 ROOT = Path(__file__).resolve().parent.parent
-KEYS = ("accuracy", "judge_accuracy")  # the two readers: classifier (the reward's) and the independent judge
 FAST_WINDOW = dict(trained_steps=None, ode_after_trained=False)
 FLASH_TAIL = dict(trained_steps=4, ode_after_trained=True, ode_solver="dpmpp_2m", ode_steps=2)
 UNFUSED_EXACT = dict(jagg_frac=0.0, fused_rollout=False)
@@ -109,29 +111,6 @@ COST = {"exact": (10, 10, 0, 10), "jagg_w5_fused": (10, 0, 0, 4), "jagg_w4_fused
 B_OVER_F = 1.2  # a LoRA-only backward against a forward on this CPU (docs/method.md section 5)
 
 
-def cost_model(summary: dict) -> str:
-    """Predicted against measured CPU per method (both relative to the reference): D, the per-step cost outside the
-    transformer's passes (decode, reward, optimizer, Python), fitted by least squares over the methods (one number)."""
-    rows = [(n, r["cpu_vs_ref"][0]) for n, r in summary["table"].items() if n in COST]
-    ref = summary.get("reference", "exact")
-    if not rows or ref not in COST:
-        return ""
-    units = {n: (lambda c: c[0] + c[1] + c[2] + B_OVER_F * c[3])(COST[n]) for n, _ in rows}
-    e = units[ref]
-    # measured m = (u + D) / (e + D)  <=>  m e - u = D (1 - m): least squares for D
-    num = sum((m * e - units[n]) * (1 - m) for n, m in rows)
-    den = sum((1 - m) ** 2 for n, m in rows) or float("nan")
-    d = num / den
-    lines = [f"cost model: B = {B_OVER_F} F, D = {d:.1f} F fitted (the reference {ref}: {e:.1f} F of passes + D)", "",
-             "| method | rollout F | update F (grad / no-grad) | backwards | passes (F) | predicted CPU vs exact | measured |",
-             "|---|---|---|---|---|---|---|"]
-    for n, m in rows:
-        c = COST[n]
-        lines.append(f"| {n} | {c[0]} | {c[1]} / {c[2]} | {c[3]} | {units[n]:.1f} | {(units[n] + d) / (e + d):.2f} | "
-                     f"{m:.2f} |")
-    return "\n".join(lines)
-
-
 DEFAULT = [n for n, m in METHODS.items() if "needs" not in m and n != "exact_guard"]
 
 
@@ -182,6 +161,18 @@ def one_run(args, cfg: dict, label: str, name: str, seed: int, prompts, reward, 
             "train_reward": rec.train_reward, "cpu": rec.cpu, "evals": rec.evals, "passes": rec.passes}
 
 
+def tuned_settings(args, base: dict) -> dict:
+    """``choose`` over the sweep JSONs ``args.tuned``; the methods whose choice differs from the config's setting
+    (``rerun``) and the rest (``same``: their paper-setting rows are their tuned rows)."""
+    from time_to_quality import load_runs
+
+    chosen = choose(load_runs(args.tuned), args.methods)
+    paper = (base["model"]["optimizer"]["init_args"]["lr"], base["model"]["sampling"]["group_size"])
+    rerun = [n for n, c in chosen.items() if (c["lr"], c["group_size"]) != paper]
+    return {"chosen": chosen, "rerun": rerun, "same": [n for n in chosen if n not in rerun],
+            "unswept": [n for n in args.methods if n not in chosen]}
+
+
 def run(args) -> dict:
     from jagg_lightning.data import read_prompts
     from jagg_lightning.rewards import DigitReward
@@ -204,11 +195,14 @@ def run(args) -> dict:
     for n, why in skipped.items():
         print(f"skipping {n}: {why}", flush=True)
     grid = list(itertools.product(args.lr or [None], args.group_size or [None])) if args.sweep else [(None, None)]
+    tuned = tuned_settings(args, base) if args.tuned else None
+    if tuned is not None:
+        result["tuned"] = tuned
     done = {(r["seed"], r["setting"]) for r in result["runs"]}
     for seed in args.seeds:
-        for name in (n for n in args.methods if n not in skipped):
-            for lr, k in grid:
-                label = name if not args.sweep else f"{name} lr={lr} K={k}"
+        for name in (n for n in args.methods if n not in skipped and (tuned is None or n in tuned["rerun"])):
+            for lr, k in ([tuned["chosen"][name]["lr"], tuned["chosen"][name]["group_size"]],) if tuned else grid:
+                label = f"{name} tuned" if tuned else name if not args.sweep else f"{name} lr={lr} K={k}"
                 if (seed, label) in done:
                     continue
                 t0 = time.time()
@@ -220,127 +214,8 @@ def run(args) -> dict:
                 print(f"seed {seed} {label}: acc {e0['accuracy']:.3f} -> {e1['accuracy']:.3f}, judge "
                       f"{e0['judge_accuracy']:.3f} -> {e1['judge_accuracy']:.3f}, {r['cpu'][-1]:.1f} s CPU "
                       f"({time.time() - t0:.0f} s wall incl. eval)", flush=True)
+    out.write_text(json.dumps(result) + "\n")  # also when nothing was left to run (a tuned run that reran nothing)
     return result
-
-
-# ---------------------------------------------------------------------------------------------- summary
-
-def at_x(xs, ys, x) -> float:
-    """The piecewise-linear curve (xs, ys) at x (nan beyond its end)."""
-    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
-        if x0 <= x <= x1:
-            return y0 + (y1 - y0) * ((x - x0) / (x1 - x0) if x1 != x0 else 0.0)
-    return float("nan")
-
-
-def summarise(result: dict, reference: str = "exact") -> dict:
-    """Per method, over the seeds it shares with ``reference`` (paired): final accuracy by both readers (= accuracy at
-    equal optimizer steps: every method makes one step per rollout), paired minus the reference, CPU vs the reference,
-    CPU to the reference's final accuracy, to base + 0.10 / + 0.15, accuracy at equal CPU (the cheapest method's total),
-    and the reward-hacking watch (training reward gain against both readers' held-out gains)."""
-    by = {(r["seed"], r["setting"]): r for r in result["runs"]}
-    names = list(dict.fromkeys(r["setting"] for r in result["runs"]))
-    seeds = sorted({s for s, n in by if n == reference})
-    if not seeds:
-        return {"seeds": [], "table": {}, "note": f"no {reference!r} runs"}
-    budget = min(mean_ci([by[(s, n)]["cpu"][-1] for s in seeds if (s, n) in by])[0] for n in names
-                 if any((s, n) in by for s in seeds))
-    ref_final = {k: mean_ci([by[(s, reference)]["evals"][-1][k] for s in seeds])[0] for k in KEYS}
-    ref_cpu = mean_ci([by[(s, reference)]["cpu"][-1] for s in seeds])[0]
-    base = {k: mean_ci([by[(s, reference)]["evals"][0][k] for s in seeds])[0] for k in KEYS}
-    table = {}
-    for name in names:
-        rs = [by[(s, name)] for s in seeds if (s, name) in by]
-        if not rs:
-            continue
-        n = min(len(r["evals"]) for r in rs)
-        cpu = [sum(r["evals"][i]["cpu"] for r in rs) / len(rs) for i in range(n)]
-        row = {"seeds": [r["seed"] for r in rs], "steps": len(rs[0]["cpu"]), "cpu_s": mean_ci([r["cpu"][-1] for r in rs]),
-               "cpu_vs_ref": mean_ci([r["cpu"][-1] / by[(r["seed"], reference)]["cpu"][-1] for r in rs]),
-               "curve_cpu": cpu, "curve_steps": [rs[0]["evals"][i]["step"] for i in range(n)],
-               "train_reward_gain": mean_ci([sum(r["train_reward"][-3:]) / 3 - sum(r["train_reward"][:3]) / 3
-                                             for r in rs])}
-        for k in KEYS:
-            curve = [sum(r["evals"][i][k] for r in rs) / len(rs) for i in range(n)]
-            row[f"{k}_curve"] = curve
-            row[f"{k}_band"] = [mean_ci([r["evals"][i][k] for r in rs])[1] for i in range(n)]
-            row[f"{k}_final"] = mean_ci([r["evals"][-1][k] for r in rs])
-            row[f"{k}_gain"] = mean_ci([r["evals"][-1][k] - r["evals"][0][k] for r in rs])
-            row[f"{k}_minus_ref"] = mean_ci([r["evals"][-1][k] - by[(r["seed"], reference)]["evals"][-1][k] for r in rs])
-            row[f"{k}_cpu_to_ref_final"] = crossing(cpu, curve, ref_final[k]) / ref_cpu
-            for gain in (0.10, 0.15):
-                row[f"{k}_cpu_to_plus_{gain:.2f}"] = crossing(cpu, curve, base[k] + gain)
-            row[f"{k}_at_budget"] = mean_ci([at_x([e["cpu"] for e in r["evals"]], [e[k] for e in r["evals"]], budget)
-                                             for r in rs])
-        table[name] = row
-    return {"seeds": seeds, "reference": reference, "budget_cpu_s": budget, "reference_final": ref_final,
-            "reference_cpu_s": ref_cpu, "base": base, "table": table, "skipped": result.get("skipped", {}),
-            "methods": result.get("methods", {})}
-
-
-def fmt(mc, digits=3) -> str:
-    m, h = mc
-    return f"{m:.{digits}f} ± {h:.{digits}f}" if not math.isnan(h) else f"{m:.{digits}f}"
-
-
-def tables(summary: dict) -> str:
-    t, b = summary["table"], summary.get("budget_cpu_s", float("nan"))
-    lines = [f"seeds {summary['seeds']} (paired with {summary.get('reference')!r}); ± is the 95 % t interval over seeds; "
-             f"equal-CPU budget {b:.1f} s", "",
-             "| method | final acc. classifier | − exact (paired) | final acc. judge | − exact (paired) | CPU vs exact | "
-             "CPU to exact's final (cls / judge, × exact's CPU) | CPU s to +0.10 (cls / judge) | CPU s to +0.15 "
-             "(cls / judge) | acc. at equal CPU (cls / judge) | train-reward gain | held-out gain (cls / judge) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, r in t.items():
-        lines.append(
-            f"| {name} | {fmt(r['accuracy_final'])} | {fmt(r['accuracy_minus_ref'])} | {fmt(r['judge_accuracy_final'])} | "
-            f"{fmt(r['judge_accuracy_minus_ref'])} | {fmt(r['cpu_vs_ref'], 2)} | "
-            f"{r['accuracy_cpu_to_ref_final']:.2f} / {r['judge_accuracy_cpu_to_ref_final']:.2f} | "
-            f"{r['accuracy_cpu_to_plus_0.10']:.0f} / {r['judge_accuracy_cpu_to_plus_0.10']:.0f} | "
-            f"{r['accuracy_cpu_to_plus_0.15']:.0f} / {r['judge_accuracy_cpu_to_plus_0.15']:.0f} | "
-            f"{r['accuracy_at_budget'][0]:.3f} / {r['judge_accuracy_at_budget'][0]:.3f} | {fmt(r['train_reward_gain'])} | "
-            f"{r['accuracy_gain'][0]:+.3f} / {r['judge_accuracy_gain'][0]:+.3f} |")
-    if summary.get("skipped"):
-        lines += ["", "not run: " + "; ".join(f"{n} ({why})" for n, why in summary["skipped"].items())]
-    return "\n".join(lines)
-
-
-def sweep_table(result: dict) -> str:
-    """The tuning sweep: final accuracy by both readers per setting (mean over the sweep's seeds)."""
-    rows = {}
-    for r in result["runs"]:
-        rows.setdefault(r["setting"], []).append(r)
-    lines = ["| setting | seeds | final acc. classifier | final acc. judge | CPU s |", "|---|---|---|---|---|"]
-    for name, rs in rows.items():
-        lines.append(f"| {name} | {len(rs)} | {fmt(mean_ci([r['evals'][-1]['accuracy'] for r in rs]))} | "
-                     f"{fmt(mean_ci([r['evals'][-1]['judge_accuracy'] for r in rs]))} | "
-                     f"{fmt(mean_ci([r['cpu'][-1] for r in rs]), 1)} |")
-    return "\n".join(lines)
-
-
-def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
-    for ax, key, label in zip(axes, KEYS, ("classifier (the reward's)", "judge (independent)")):
-        for i, (name, r) in enumerate(summary["table"].items()):  # tab20: 13+ methods, no colour twice
-            x, y, band = r["curve_cpu"], r[f"{key}_curve"], [0.0 if math.isnan(h) else h for h in r[f"{key}_band"]]
-            line, = ax.plot(x, y, marker="o", ms=3, label=name, color=plt.cm.tab20(i % 20))
-            ax.fill_between(x, [a - h for a, h in zip(y, band)], [a + h for a, h in zip(y, band)],
-                            color=line.get_color(), alpha=0.15)
-        ax.axhline(summary["reference_final"][key], color="grey", ls=":", lw=1)
-        ax.set_xlabel("process CPU s (training steps only, mean over seeds)")
-        ax.set_ylabel(f"held-out accuracy, {label}")
-        ax.set_ylim(0, 1)  # a band from two seeds (t = 12.7) runs off any scale
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"the league on the digits test bed: mean ± 95 % CI over seeds {summary['seeds']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=70)
-    plt.close(fig)
 
 
 def main(argv=None):
@@ -357,6 +232,9 @@ def main(argv=None):
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--name", default="league.json")
     p.add_argument("--resume", action="store_true", help="keep the runs already in the JSON, do the rest")
+    p.add_argument("--tuned", nargs="+", default=None,
+                   help="sweep JSONs: run each method at the setting `choose` picks from them (as '<method> tuned'; a "
+                        "method whose choice is the paper's setting is not rerun)")
     p.add_argument("--replot", nargs="+", default=None, help="saved JSONs (runs merged, the first of a repeat kept)")
     p.add_argument("--list", action="store_true", help="print the method table and exit")
     args = p.parse_args(argv)
@@ -379,7 +257,9 @@ def main(argv=None):
     (out / f"{stem}_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     if summary["table"]:
         plot(summary, out / f"{stem}.png")
-    text = tables(summary) + "\n\n" + cost_model(summary)
+    text = tables(summary) + "\n\n" + cost_model(summary, COST, B_OVER_F)
+    if any(name.endswith(" tuned") for name in summary["table"]):
+        text += "\n\n" + tuned_table(summary, result)
     (out / f"{stem}_summary.md").write_text(text + "\n")
     print(text)
 
