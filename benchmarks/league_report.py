@@ -153,7 +153,8 @@ def tuned_table(summary: dict, result: dict) -> str:
         paper = (f"{r['accuracy_final'][0]:.3f} / {r['judge_accuracy_final'][0]:.3f}",
                  f"{r['accuracy_cpu_to_ref_final']:.2f} / {r['judge_accuracy_cpu_to_ref_final']:.2f}")
         if tuned is None:
-            lines.append(f"| {name} | paper (not rerun) | {len(r['seeds'])} | {paper[0]} | {paper[1]} | {paper[0]} | {paper[1]} |")
+            lines.append(f"| {name} | paper (not rerun) | {len(r['seeds'])} | {paper[0]} | {paper[1]} | {paper[0]} | "
+                         f"{paper[1]} |")
         else:
             lines.append(f"| {name} | {setting[name + ' tuned']} | {len(tuned['seeds'])} | "
                          f"{tuned['accuracy_final'][0]:.3f} / {tuned['judge_accuracy_final'][0]:.3f} | "
