@@ -7,6 +7,12 @@ metadata JSONL with fixed seeds (ODE, the policy's guidance, the inference weigh
 ``val/geneval/<task>`` (each task's accuracy), ``val/geneval/overall`` (their mean over tasks, as GenEval's
 ``summary_scores.py`` averages) and ``val/geneval/reward`` (the mean of the reward's ``score``: Flow-GRPO's dense
 score by default).
+
+On the scenes test bed the same images are also read by its independent judge
+(:mod:`jagg_lightning.testbed.scenes.judge`, a learned detector GRPO never sees) under GenEval's same rules:
+``val/judge_geneval/<task>``, ``val/judge_geneval/overall`` and ``val/judge_geneval/agreement`` (the share of images
+where the judge and the reward's reader agree on GenEval's correctness) -- the reward-hacking watch, as
+``val/judge_accuracy`` is on digits.
 """
 
 from __future__ import annotations
@@ -30,12 +36,15 @@ class GenEvalAccuracy(L.Callback):
         score: The `GenEvalReward` score averaged into `val/geneval/reward`: `flow_grpo`, `strict` or `geneval`.
         detector_path: The detector's local folder (`mask2former`, `owlv2`).
         clip_path: The CLIP colour classifier's local folder (`mask2former`, `owlv2`).
+        judge: Also read the images with the scenes test bed's independent judge (`val/judge_geneval/*`); null =
+            on with the `scenes` reader, off otherwise (the judge reads rendered scenes only).
+        judge_path: The judge's weights; null = the shipped `scenes_judge.safetensors`.
     """
 
     def __init__(self, prompts_file: str = "scenes_heldout", prompts_per_task: int | None = None,
                  every_n_steps: int = 10, samples_per_prompt: int = 2, seed: int = 1234, num_steps: int | None = None,
                  reader: str = "scenes", score: str = "flow_grpo", detector_path: str | None = None,
-                 clip_path: str | None = None):
+                 clip_path: str | None = None, judge: bool | None = None, judge_path: str | None = None):
         super().__init__()
         from jagg_lightning.data import read_prompts
 
@@ -48,6 +57,11 @@ class GenEvalAccuracy(L.Callback):
         self.every_n_steps, self.samples_per_prompt, self.seed = every_n_steps, samples_per_prompt, seed
         self.num_steps = num_steps
         self.reward_args = {"reader": reader, "score": score, "detector_path": detector_path, "clip_path": clip_path}
+        if judge and reader != "scenes":
+            raise ValueError(f"GenEvalAccuracy.judge: the scenes judge reads rendered scenes only; it needs reader "
+                             f"'scenes', got {reader!r} (set judge: false)")
+        self.judge = reader == "scenes" if judge is None else judge
+        self.judge_path, self.judge_reader = judge_path, None
         self.reward = None
         self.history: list[tuple[int, float]] = []
         self.evaluations: list[tuple[int, dict[str, float]]] = []  # (step, what was logged): RunSummary reads it
@@ -65,12 +79,26 @@ class GenEvalAccuracy(L.Callback):
         stage = "test" if trainer.state.fn == "test" else "val"
         metrics = GenEvalReward.metrics(judged, stage)
         metrics[f"{stage}/geneval/reward"] = float(self.reward.scores_of(judged).mean())
+        if self.judge:
+            metrics.update(self._judge_metrics(images, per_sample, judged, stage, pl_module.device))
         step = trainer.global_step
         self.history.append((step, metrics[f"{stage}/geneval/overall"]))
         self.evaluations.append((step, metrics))
         if log and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
+        return metrics
+
+    def _judge_metrics(self, images, prompts, judged, stage: str, device) -> dict[str, float]:
+        from jagg_lightning.rewards.geneval import GenEvalReward, read_and_judge
+        from jagg_lightning.testbed.scenes.judge import SCENES_JUDGE_PATH, SceneJudgeReader, load_scene_judge
+
+        if self.judge_reader is None:
+            self.judge_reader = SceneJudgeReader(load_scene_judge(self.judge_path or SCENES_JUDGE_PATH).to(device))
+        seen = read_and_judge(self.judge_reader, images, prompts, self.reward.thresholds)
+        metrics = {k.replace("/geneval/", "/judge_geneval/"): v for k, v in GenEvalReward.metrics(seen, stage).items()}
+        metrics[f"{stage}/judge_geneval/agreement"] = sum(a.correct == b.correct for a, b in zip(seen, judged)) / len(
+            seen)
         return metrics
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:

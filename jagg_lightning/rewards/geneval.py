@@ -65,6 +65,18 @@ def named_classes(metadata: dict) -> list[str]:
     return [req["class"] for req in metadata.get("include", []) + metadata.get("exclude", [])]
 
 
+def read_and_judge(reader, images: Tensor, prompts: list[str],
+                   thresholds: Thresholds = Thresholds()) -> list[Judgement]:
+    """GenEval's rules over any reader (``detect(arrays, wanted classes)``, ``colors(array, detections, class)``):
+    each image [3, H, W] in [0, 1] read as 8-bit RGB and judged against its prompt's metadata."""
+    metadata = [check_metadata(metadata_of(p), p) for p in prompts]
+    arrays = list((images.detach().float().clamp(0, 1).cpu().permute(0, 2, 3, 1).numpy() * 255).round()
+                  .astype(np.uint8))
+    raw = reader.detect(arrays, [named_classes(m) for m in metadata])
+    return [judge(found, m, lambda objs, name, a=a: reader.colors(a, objs, name), thresholds)
+            for a, found, m in zip(arrays, raw, metadata)]
+
+
 class GenEvalReward(Reward):
     """GenEval's rules over a detector (see the module docstring).
 
@@ -127,12 +139,7 @@ class GenEvalReward(Reward):
     def judge_images(self, images: Tensor, prompts: list[str]) -> list[Judgement]:
         """Every image's reading against its prompt's metadata: GenEval's correctness, Flow-GRPO's strict and dense
         scores, the reasons and the detections the rules kept."""
-        metadata = [check_metadata(metadata_of(p), p) for p in prompts]
-        arrays = list((images.detach().float().clamp(0, 1).cpu().permute(0, 2, 3, 1).numpy() * 255).round()
-                      .astype(np.uint8))
-        raw = self.reader.detect(arrays, [named_classes(m) for m in metadata])
-        return [judge(found, m, lambda objs, name, a=a: self.reader.colors(a, objs, name), self.thresholds)
-                for a, found, m in zip(arrays, raw, metadata)]
+        return read_and_judge(self.reader, images, prompts, self.thresholds)
 
     def check_prompts(self, prompts: list[str], field: str) -> None:
         """Every prompt carries well-formed GenEval metadata (checked before training, not at the first score)."""
@@ -164,4 +171,4 @@ class GenEvalReward(Reward):
         return geneval_metrics([j.tag for j in judged], [j.correct for j in judged], stage)
 
 
-__all__ = ["GenEvalReward", "READERS", "SCORES", "TASKS", "check_metadata", "task_scores"]
+__all__ = ["GenEvalReward", "READERS", "SCORES", "TASKS", "check_metadata", "read_and_judge", "task_scores"]

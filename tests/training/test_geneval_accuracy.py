@@ -1,12 +1,15 @@
 """GenEvalAccuracy: GenEval's per-task held-out scores of the policy's own samples, logged during fit."""
 
+import numpy as np
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from jagg_lightning.callbacks import GenEvalAccuracy
 from jagg_lightning.rewards import GenEvalReward
+from jagg_lightning.rewards.geneval import read_and_judge
 from jagg_lightning.rewards.geneval_rules import TASKS
 from jagg_lightning.testbed.evaluate import sample_images
+from jagg_lightning.testbed.scenes.judge import SceneJudgeReader, load_scene_judge
 
 from modules import make_module
 
@@ -27,11 +30,18 @@ def test_per_task_scores_of_the_models_samples_are_logged(tmp_path, rng_seed):
     trainer.fit(module, PromptDataModule(prompts=["a red cat", "a blue dog"], batch_size=2, shuffle=False))
     assert [step for step, _ in callback.history] == [0, 1]
     step, logged = callback.evaluations[-1]
-    assert set(logged) == {f"val/geneval/{t}" for t in (*TASKS, "overall", "reward")}
+    assert set(logged) == {f"val/geneval/{t}" for t in (*TASKS, "overall", "reward")} | {
+        f"val/judge_geneval/{t}" for t in (*TASKS, "overall", "agreement")}
     images = sample_images(module, callback.prompts, 1, rng_seed, 3)
     judged = GenEvalReward().judge_images(images, callback.prompts)
     expected = GenEvalReward.metrics(judged)
-    assert {k: v for k, v in logged.items() if k != "val/geneval/reward"} == pytest.approx(expected)
+    assert {k: v for k, v in logged.items() if k.startswith("val/geneval/") and k != "val/geneval/reward"} == \
+        pytest.approx(expected)
+    # the independent judge read the same images under the same rules
+    seen = read_and_judge(SceneJudgeReader(load_scene_judge()), images, callback.prompts)
+    assert logged["val/judge_geneval/overall"] == pytest.approx(GenEvalReward.metrics(seen)["val/geneval/overall"])
+    assert logged["val/judge_geneval/agreement"] == pytest.approx(
+        np.mean([a.correct == b.correct for a, b in zip(seen, judged)]))
     assert logged["val/geneval/reward"] == pytest.approx(sum(j.score for j in judged) / len(judged))
     assert "val/geneval/overall" in (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
 
@@ -39,3 +49,6 @@ def test_per_task_scores_of_the_models_samples_are_logged(tmp_path, rng_seed):
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="GenEvalAccuracy.prompts_per_task must be >= 1"):
         GenEvalAccuracy(prompts_per_task=0)
+    with pytest.raises(ValueError, match="GenEvalAccuracy.judge: .* needs reader 'scenes', got 'owlv2'"):
+        GenEvalAccuracy(reader="owlv2", judge=True)
+    assert not GenEvalAccuracy(reader="owlv2").judge and GenEvalAccuracy().judge
