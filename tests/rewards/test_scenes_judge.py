@@ -9,8 +9,8 @@ import torch
 from jagg_lightning.rewards.geneval import read_and_judge
 from jagg_lightning.rewards.geneval_scenes import SceneReader
 from jagg_lightning.testbed.scenes import HELDOUT_METADATA, TRAIN_METADATA, render, scene_for
-from jagg_lightning.testbed.scenes.judge import (SCENES_JUDGE_PATH, SIDE, SceneJudge, SceneJudgeReader, decode, degrade,
-                                                 fit, load_scene_judge, random_scene, targets)
+from jagg_lightning.testbed.scenes.judge import (SCENES_JUDGE_PATH, SIDE, THRESHOLDS, SceneJudge, SceneJudgeReader,
+                                                 decode, degrade, fit, load_scene_judge, random_scene, targets)
 from jagg_lightning.models.conditions import ConditionedPrompt
 
 
@@ -30,10 +30,11 @@ def test_decoding_a_perfect_heat_map_gives_back_every_object(rng_seed):
     a box whose centre is the object's to a tenth of a pixel (at 64 px and at 128 px)."""
     rng = np.random.default_rng(rng_seed)
     scenes = [random_scene(rng) for _ in range(8)]
-    heat, offsets, sides, _ = targets(scenes)
+    heat, colour, offsets, sides, _ = targets(scenes)
     logits = torch.where(heat == 1, 8.0, -8.0)
+    colour_logits = torch.nn.functional.one_hot(colour.clamp_min(0), 6).permute(0, 3, 1, 2).float() * 8
     for scale in (1, 2):
-        found = decode(logits, offsets, sides, SIDE * scale, SIDE * scale)
+        found = decode(logits, colour_logits, offsets, sides, SIDE * scale, SIDE * scale)
         for scene, objects in zip(scenes, found):
             read = sorted((s, c, round((b[0] + b[2]) / 2 / scale, 1), round((b[1] + b[3]) / 2 / scale, 1),
                            round((b[2] - b[0]) / scale, 1)) for s, c, _, b in objects)
@@ -49,10 +50,11 @@ def test_the_shipped_judge_reads_rendered_scenes(rng_seed, degraded):
     rng, generator = np.random.default_rng(rng_seed), torch.Generator().manual_seed(rng_seed)
     prompts, images = rows_and_images(rng, 120, degraded, generator)
     judge = SceneJudgeReader(load_scene_judge())
-    right = read_and_judge(judge, images, prompts)
+    right = read_and_judge(judge, images, prompts, THRESHOLDS)
     assert np.mean([j.correct for j in right]) >= 0.97, [j.reason for j in right if not j.correct][:5]
     mismatched = prompts[1:] + prompts[:1]
-    by_judge, by_reader = read_and_judge(judge, images, mismatched), read_and_judge(SceneReader(), images, mismatched)
+    by_judge = read_and_judge(judge, images, mismatched, THRESHOLDS)
+    by_reader = read_and_judge(SceneReader(), images, mismatched)
     assert np.mean([a.correct == b.correct for a, b in zip(by_judge, by_reader)]) >= 0.95
     assert np.mean([j.correct for j in by_reader]) < 0.5  # the mismatch is mostly wrong, so agreement means reading
 

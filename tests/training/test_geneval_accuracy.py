@@ -9,7 +9,7 @@ from jagg_lightning.rewards import GenEvalReward
 from jagg_lightning.rewards.geneval import read_and_judge
 from jagg_lightning.rewards.geneval_rules import TASKS
 from jagg_lightning.testbed.evaluate import sample_images
-from jagg_lightning.testbed.scenes.judge import SceneJudgeReader, load_scene_judge
+from jagg_lightning.testbed.scenes.judge import THRESHOLDS, SceneJudgeReader, load_scene_judge
 
 from modules import make_module
 
@@ -38,7 +38,7 @@ def test_per_task_scores_of_the_models_samples_are_logged(tmp_path, rng_seed):
     assert {k: v for k, v in logged.items() if k.startswith("val/geneval/") and k != "val/geneval/reward"} == \
         pytest.approx(expected)
     # the independent judge read the same images under the same rules
-    seen = read_and_judge(SceneJudgeReader(load_scene_judge()), images, callback.prompts)
+    seen = read_and_judge(SceneJudgeReader(load_scene_judge()), images, callback.prompts, THRESHOLDS)
     assert logged["val/judge_geneval/overall"] == pytest.approx(GenEvalReward.metrics(seen)["val/geneval/overall"])
     assert logged["val/judge_geneval/agreement"] == pytest.approx(
         np.mean([a.correct == b.correct for a, b in zip(seen, judged)]))

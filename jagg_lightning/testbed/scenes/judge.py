@@ -5,15 +5,19 @@ a shape from three geometric features. A rising held-out score from that reader 
 drifting toward whatever passes its nearest-colour rule and its fill / aspect / centroid prototypes. The judge reads
 the same images another way and applies GenEval's same rules to what it reads (so it answers the same question):
 
-* a small convolutional detector in the style of CenterNet, never shown a generated image: per (shape, colour) a
-  heat map of object centres on a 4 px grid, plus each centre's sub-cell offset and the object's side;
+* a small convolutional detector in the style of CenterNet, never shown a generated image: per shape a heat map of
+  object centres on a 4 px grid, and at each cell the colour (six-way), the centre's sub-cell offset and the
+  object's side;
 * trained on random rendered scenes (1-4 objects of any shape and colour, every composition, held-out ones
   included: the judge is a reader, not the model) with blur, pixel noise, colour jitter and a contrast change, so
   it reads soft generated images, where the exact reader's pixel rule is strict;
-* a peak (the 3 x 3 local maximum of the heat map) is a detection: its class the shape, its colour the channel's,
-  its confidence the peak's sigmoid (GenEval's 0.3 and, for counting, 0.9 apply), its box centre +- side / 2.
+* a peak (the 3 x 3 local maximum of a shape's heat map) is a detection: its class the shape, its colour the most
+  likely at that cell, its confidence the peak's sigmoid, its box centre +- side / 2. GenEval's thresholds are
+  calibrated to Mask2Former's scores; a heat-map peak is another scale (a clean object peaks at 0.7-0.98 here), so
+  the judge keeps GenEval's 0.3 and counts objects above ``COUNTING_THRESHOLD`` = 0.5, a peak above half, where
+  GenEval counts above 0.9 (:data:`THRESHOLDS`).
 
-    heat[b, s * 6 + c, i, j] = P(an object of shape s, colour c has its centre in cell (i, j))
+    heat[b, s, i, j] = P(an object of shape s has its centre in cell (i, j)),  colour[b, :, i, j] = its colour's logits
 
 ``python -m jagg_lightning.testbed.scenes.judge`` fits it (deterministic, a few minutes of one core) and writes
 ``scenes_judge.safetensors`` beside the digits judge (the weights, and the fit's settings and its accuracy on
@@ -34,19 +38,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from jagg_lightning.rewards.geneval_rules import Detection
+from jagg_lightning.rewards.geneval_rules import Detection, Thresholds
 from jagg_lightning.rewards.geneval_scenes import PALETTE, SHAPES
 
 SCENES_JUDGE_PATH = Path(__file__).resolve().parent.parent / "scenes_judge.safetensors"
 SIDE = 64  # the judge reads every image resized to 64 px
 STRIDE = 4  # heat-map cell, pixels
-CLASSES = [(s, c) for s in SHAPES for c in PALETTE]  # channel k = shape index * 6 + colour index
-MIN_PEAK = 0.05  # peaks below this are not reported (GenEval's own thresholds, 0.3 and 0.9, select later)
+COLOURS = list(PALETTE)
+MIN_PEAK = 0.05  # peaks below this are not reported (the rules' thresholds select later)
+COUNTING_THRESHOLD = 0.5  # the judge's counting threshold (GenEval's 0.9 is Mask2Former's scale; see above)
+THRESHOLDS = Thresholds(counting_threshold=COUNTING_THRESHOLD)  # GenEval's others: 0.3, 16 objects, no NMS, 0.1
 
 
 class SceneJudge(nn.Module):
-    """[B, 3, H, W] in [0, 1] -> (heat logits [B, 24, 16, 16], offsets [B, 2, 16, 16] in cells, sides [B, 1, 16, 16]
-    as a fraction of the image). ``width`` is the first layer's channels."""
+    """[B, 3, H, W] in [0, 1] -> (shape heat logits [B, 4, 16, 16], colour logits [B, 6, 16, 16], offsets
+    [B, 2, 16, 16] in cells, sides [B, 1, 16, 16] as a fraction of the image). ``width``: the first layer's
+    channels."""
 
     def __init__(self, width: int = 16):
         super().__init__()
@@ -59,15 +66,14 @@ class SceneJudge(nn.Module):
             nn.Conv2d(2 * w, 4 * w, 3, stride=2, padding=1), nn.ReLU(),
             nn.Conv2d(4 * w, 4 * w, 3, padding=2, dilation=2), nn.ReLU(),
             nn.Conv2d(4 * w, 4 * w, 3, padding=1), nn.ReLU())
-        self.head = nn.Conv2d(4 * w, len(CLASSES) + 3, 1)
+        self.head = nn.Conv2d(4 * w, len(SHAPES) + len(COLOURS) + 3, 1)
 
-    def forward(self, images: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, images: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         x = images.float()
         if x.shape[-2:] != (SIDE, SIDE):
             x = F.interpolate(x, size=(SIDE, SIDE), mode="bilinear", align_corners=False, antialias=True)
         out = self.head(self.body(x * 2 - 1))
-        k = len(CLASSES)
-        return out[:, :k], out[:, k:k + 2], out[:, k + 2:]
+        return out.split([len(SHAPES), len(COLOURS), 2, 1], dim=1)
 
     @torch.no_grad()
     def peaks(self, images: Tensor) -> list[list[tuple[str, str, float, tuple[float, float, float, float]]]]:
@@ -75,9 +81,10 @@ class SceneJudge(nn.Module):
         return decode(*self(images), height=images.shape[-2], width=images.shape[-1])
 
 
-def decode(heat: Tensor, offsets: Tensor, sides: Tensor, height: int = SIDE, width: int = SIDE):
-    """The judge's outputs -> per image, (shape, colour, confidence, box) of every 3 x 3 local maximum of the heat
-    map's sigmoid at or above ``MIN_PEAK``; centres and sides scaled to a ``height`` x ``width`` image."""
+def decode(heat: Tensor, colours: Tensor, offsets: Tensor, sides: Tensor, height: int = SIDE, width: int = SIDE):
+    """The judge's outputs -> per image, (shape, colour, confidence, box) of every 3 x 3 local maximum of a shape's
+    heat-map sigmoid at or above ``MIN_PEAK``, with the cell's most likely colour; centres and sides scaled to a
+    ``height`` x ``width`` image."""
     prob = heat.sigmoid()
     keep = (prob == F.max_pool2d(prob, 3, stride=1, padding=1)) & (prob >= MIN_PEAK)
     cell_x, cell_y = STRIDE * width / SIDE, STRIDE * height / SIDE
@@ -87,8 +94,9 @@ def decode(heat: Tensor, offsets: Tensor, sides: Tensor, height: int = SIDE, wid
         for k, i, j in keep[b].nonzero().tolist():
             cx, cy = (j + offsets[b, 0, i, j].item()) * cell_x, (i + offsets[b, 1, i, j].item()) * cell_y
             half_x, half_y = sides[b, 0, i, j].item() * width / 2, sides[b, 0, i, j].item() * height / 2
-            objects.append((*CLASSES[k], float(prob[b, k, i, j]), (cx - half_x, cy - half_y, cx + half_x,
-                                                                   cy + half_y)))
+            colour = COLOURS[int(colours[b, :, i, j].argmax())]
+            objects.append((SHAPES[k], colour, float(prob[b, k, i, j]), (cx - half_x, cy - half_y, cx + half_x,
+                                                                        cy + half_y)))
         found.append(objects)
     return found
 
@@ -164,11 +172,13 @@ def degrade(images: Tensor, generator: torch.Generator) -> Tensor:
     return ((x - 0.5) * contrast + 0.5 + shift + noise).clamp(0, 1)
 
 
-def targets(scenes, side: int = SIDE) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(Gaussian-splatted centre heat [B, 24, g, g], offsets [B, 2, g, g], sides [B, 1, g, g], centre mask
-    [B, 1, g, g]) of the scenes' objects (CenterNet's targets; sigma one cell)."""
+def targets(scenes, side: int = SIDE) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(Gaussian-splatted centre heat per shape [B, 4, g, g], colour index [B, g, g] (-100 off centres: ignored),
+    offsets [B, 2, g, g], sides [B, 1, g, g], centre mask [B, 1, g, g]) of the scenes' objects (CenterNet's targets;
+    sigma one cell)."""
     g = side // STRIDE
-    heat = torch.zeros(len(scenes), len(CLASSES), g, g)
+    heat = torch.zeros(len(scenes), len(SHAPES), g, g)
+    colour = torch.full((len(scenes), g, g), -100, dtype=torch.long)
     offsets, sides, mask = torch.zeros(len(scenes), 2, g, g), torch.zeros(len(scenes), 1, g, g), torch.zeros(
         len(scenes), 1, g, g)
     grid = torch.arange(g, dtype=torch.float32)
@@ -176,13 +186,14 @@ def targets(scenes, side: int = SIDE) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         for obj in scene.objects:
             cx, cy = obj.x / STRIDE, obj.y / STRIDE
             i, j = min(int(cy), g - 1), min(int(cx), g - 1)
-            k = CLASSES.index((obj.shape, obj.color))
+            k = SHAPES.index(obj.shape)
+            colour[b, i, j] = COLOURS.index(obj.color)
             splat = torch.exp(-((grid[:, None] - i) ** 2 + (grid[None, :] - j) ** 2) / 2)
             heat[b, k] = torch.maximum(heat[b, k], splat)
             offsets[b, :, i, j] = torch.tensor([cx - j, cy - i])
             sides[b, 0, i, j] = obj.size / side
             mask[b, 0, i, j] = 1
-    return heat, offsets, sides, mask
+    return heat, colour, offsets, sides, mask
 
 
 def focal_loss(logits: Tensor, heat: Tensor) -> Tensor:
@@ -211,11 +222,11 @@ def fit(steps: int, batch_size: int, lr: float, width: int, seed: int, log=print
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
     for step in range(steps):
         images, scenes = batch_of(rng, generator, batch_size)
-        heat, offsets, sides, mask = targets(scenes)
-        out_heat, out_offsets, out_sides = judge(images)
+        heat, colour, offsets, sides, mask = targets(scenes)
+        out_heat, out_colour, out_offsets, out_sides = judge(images)
         n = mask.sum().clamp_min(1)
-        loss = focal_loss(out_heat, heat) + ((out_offsets - offsets).abs() * mask).sum() / n + \
-            10 * ((out_sides - sides).abs() * mask).sum() / n
+        loss = focal_loss(out_heat, heat) + F.cross_entropy(out_colour, colour, ignore_index=-100) + \
+            ((out_offsets - offsets).abs() * mask).sum() / n + 10 * ((out_sides - sides).abs() * mask).sum() / n
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -241,21 +252,41 @@ def accuracy_on_renders(judge: SceneJudge, rows: list[dict], seed: int, degraded
     arrays = list((images.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8))
     reader, exact = SceneJudgeReader(judge), SceneReader()
     read, read_exact = reader.detect(arrays), exact.detect(arrays)
-    right = [judge_rules(found, row, lambda objs, name: [d.color for d in objs]).correct for found, row in zip(read, rows)]
+    def colours(objs, name):
+        return [d.color for d in objs]
+
+    right = [judge_rules(found, row, colours, THRESHOLDS).correct for found, row in zip(read, rows)]
     shifted = rows[1:] + rows[:1]
-    agree = [judge_rules(a, row, lambda objs, name: [d.color for d in objs]).correct ==
-             judge_rules(b, row, lambda objs, name: [d.color for d in objs]).correct
+    agree = [judge_rules(a, row, colours, THRESHOLDS).correct == judge_rules(b, row, colours).correct
              for a, b, row in zip(read, read_exact, shifted)]
     scores = task_scores([r["tag"] for r in rows], right)
     scores["agreement_on_mismatched"] = float(np.mean(agree))
     return scores
 
 
-def main(argv=None) -> dict:
+def save_judge(judge: SceneJudge, args, cpu_s: float) -> dict:
+    """Its accuracy on scenes rendered for every train and held-out row (clean, and degraded) into the file's
+    metadata with the fit's settings; written to ``args.out`` (a temporary file, then renamed)."""
     from safetensors.torch import save_file
 
     from jagg_lightning.testbed.scenes.captions import HELDOUT_METADATA, TRAIN_METADATA
 
+    rows = [json.loads(line) for path in (TRAIN_METADATA, HELDOUT_METADATA) for line in path.read_text().splitlines()]
+    clean = accuracy_on_renders(judge, rows, args.seed + 1, degraded=False)
+    degraded = accuracy_on_renders(judge, rows, args.seed + 2, degraded=True)
+    metadata = {"model": "SceneJudge (CenterNet-style heat maps)", "width": str(args.width), "steps": str(args.steps),
+                "batch_size": str(args.batch_size), "lr": str(args.lr), "seed": str(args.seed), "cpu_s": f"{cpu_s:.0f}",
+                "counting_threshold": str(COUNTING_THRESHOLD), "rendered_rows": str(len(rows)),
+                "clean": json.dumps(clean), "degraded": json.dumps(degraded)}
+    out = Path(args.out)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in judge.state_dict().items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, out)
+    print(f"judge on rendered rows: clean {clean}\ndegraded {degraded}\nwrote {out}")
+    return metadata
+
+
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(SCENES_JUDGE_PATH))
     parser.add_argument("--steps", type=int, default=1500)
@@ -268,19 +299,7 @@ def main(argv=None) -> dict:
     torch.use_deterministic_algorithms(True)
     started = time.process_time()
     judge = fit(args.steps, args.batch_size, args.lr, args.width, args.seed)
-    rows = [json.loads(line) for path in (TRAIN_METADATA, HELDOUT_METADATA) for line in path.read_text().splitlines()]
-    clean = accuracy_on_renders(judge, rows, args.seed + 1, degraded=False)
-    degraded = accuracy_on_renders(judge, rows, args.seed + 2, degraded=True)
-    metadata = {"model": "SceneJudge (CenterNet-style heat maps)", "width": str(args.width), "steps": str(args.steps),
-                "batch_size": str(args.batch_size), "lr": str(args.lr), "seed": str(args.seed),
-                "cpu_s": f"{time.process_time() - started:.0f}",
-                "rendered_rows": str(len(rows)), "clean": json.dumps(clean), "degraded": json.dumps(degraded)}
-    out = Path(args.out)
-    tmp = out.with_name(out.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in judge.state_dict().items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, out)
-    print(f"judge on rendered rows: clean {clean}\ndegraded {degraded}\nwrote {out}")
-    return metadata
+    return save_judge(judge, args, time.process_time() - started)
 
 
 if __name__ == "__main__":
