@@ -257,7 +257,7 @@ class JAGGModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         destroy_process_group_at_exit()  # Lightning leaves it to interpreter shutdown, where gloo can abort
         check_precision(self.trainer.precision, self.policy_config.dtype)
-        check_data_conditions(self.trainer.datamodule, policy_class(self.policy_config), self.reward_fn)
+        check_data_conditions(getattr(self.trainer, "datamodule", None), policy_class(self.policy_config), self.reward_fn)
         check_strategy(self.trainer.strategy, ModelParallelStrategy, stage, self.jagg, self.policy_config)
 
     def teardown(self, stage: str) -> None:
