@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from jagg_lightning.testbed.scenes import all_metadata
-from jagg_lightning.testbed.scenes.model import IMAGE_SIZE, MAX_SEQUENCE_LENGTH, caption_words, word_tokenizer, words_outside
+from jagg_lightning.testbed.scenes.model import (IMAGE_SIZE, MAX_SEQUENCE_LENGTH, caption_words, word_tokenizer,
+                                                 words_outside)
 from jagg_lightning.testbed.scenes.train import main
 
 TINY = ["--scenes-per-task", "6", "--heldout-scenes-per-task", "1", "--vae-steps", "2", "--vae-batch", "2",

@@ -8,7 +8,7 @@ Used by the recipe (:mod:`jagg_lightning.testbed.scenes.train`); plain torch / d
   reach (as CLIP's tokenizer does with a rare word; those pieces are never trained), a character that occurs in
   no caption word into ``<|unk|>``. The recipe refuses a caption with a word outside the vocabulary
   (:func:`words_outside`).
-* :func:`build_components`: the two CLIP text encoders, a small ``AutoencoderKL`` (64 px RGB <-> 4 x 16 x 16) and an
+* :func:`build_components`: the two CLIP text encoders, a small ``AutoencoderKL`` (64 px RGB <-> 8 x 16 x 16) and an
   ``SD3Transformer2DModel`` (patch 2 -> 64 image tokens).
 * :func:`render_set`: a fixed set of scenes rendered from metadata rows with one seeded generator.
 * :func:`train_vae`: MSE + a small KL term; ``shift_factor`` / ``scaling_factor`` from the train latents.
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 IMAGE_SIZE = 64
-LATENT_CHANNELS = 4
+LATENT_CHANNELS = 8
 SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>", "<|unk|>")  # ids 0, 1 (also padding), 2
 TOKENIZER_LENGTH = 16  # the longest caption (10 words) plus start and end, with room
 MAX_SEQUENCE_LENGTH = 4  # zero "T5" tokens the SD3 pipeline appends when it has no T5 encoder
@@ -80,7 +80,8 @@ def word_tokenizer(words: list[str], max_length: int = TOKENIZER_LENGTH):
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length, unk_token=SPECIAL_TOKENS[2])
 
 
-def build_components(seed: int, words: list[str], layers: int, heads: int, head_dim: int, text_width: int):
+def build_components(seed: int, words: list[str], layers: int, heads: int, head_dim: int, text_width: int,
+                     latent_channels: int = LATENT_CHANNELS):
     """(tokenizer, tokenizer_2, text_encoder, text_encoder_2, vae, transformer), initialised from ``seed``."""
     from diffusers import AutoencoderKL, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
@@ -97,12 +98,12 @@ def build_components(seed: int, words: list[str], layers: int, heads: int, head_
     vae = AutoencoderKL(
         in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 3,
         up_block_types=["UpDecoderBlock2D"] * 3, block_out_channels=(16, 32, 32), layers_per_block=1,
-        latent_channels=LATENT_CHANNELS, norm_num_groups=8, mid_block_add_attention=False, sample_size=IMAGE_SIZE,
+        latent_channels=latent_channels, norm_num_groups=8, mid_block_add_attention=False, sample_size=IMAGE_SIZE,
         scaling_factor=1.0, shift_factor=0.0, use_quant_conv=False, use_post_quant_conv=False,
     )
     latent_side = IMAGE_SIZE // 4
     transformer = SD3Transformer2DModel(
-        sample_size=latent_side, patch_size=2, in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS,
+        sample_size=latent_side, patch_size=2, in_channels=latent_channels, out_channels=latent_channels,
         num_layers=layers, attention_head_dim=head_dim, num_attention_heads=heads,
         joint_attention_dim=2 * text_width, caption_projection_dim=heads * head_dim,
         pooled_projection_dim=2 * text_width, pos_embed_max_size=latent_side,
@@ -147,7 +148,7 @@ def train_vae(vae, images: torch.Tensor, steps: int, batch_size: int, lr: float,
         loss.backward()
         opt.step()
         sched.step()
-        losses.append(rec.item())
+        losses.append(float(rec.detach()))
         if step % 100 == 0 or step == steps - 1:
             log(f"vae step {step}: recon mse {rec:.5f} kl {kl:.3f}")
     vae.eval().requires_grad_(False)

@@ -9,7 +9,7 @@ Deterministic (fixed seeds, one thread, ``torch.use_deterministic_algorithms``).
    transformer step; the set is encoded once, and each step still draws its latents from the VAE posterior, its
    noise and its times afresh. A second set from the HELD-OUT rows (another seed) measures the VAE and the
    held-out flow loss; it is never trained on.
-2. VAE: a small ``AutoencoderKL`` (64 px RGB <-> 4 x 16 x 16), MSE + 1e-4 KL; ``shift_factor`` / ``scaling_factor``
+2. VAE: a small ``AutoencoderKL`` (64 px RGB <-> 8 x 16 x 16), MSE + 1e-4 KL; ``shift_factor`` / ``scaling_factor``
    from the train latents. Checked by reading decoded ground truth with the scenes reader (GenEval's rules): the
    share of held-out scenes still judged correct after encode -> decode.
 3. transformer and text encoders, jointly: an ``SD3Transformer2DModel`` (patch 2 -> 64 image tokens) and the
@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from jagg_lightning.testbed.scenes.captions import HELDOUT_METADATA, TRAIN_METADATA
-from jagg_lightning.testbed.scenes.model import (IMAGE_SIZE, MAX_SEQUENCE_LENGTH, build_components, caption_words,
-                                                 decode, encode, parameter_counts, render_set, train_vae,
-                                                 words_outside)
+from jagg_lightning.testbed.scenes.model import (IMAGE_SIZE, LATENT_CHANNELS, MAX_SEQUENCE_LENGTH, build_components,
+                                                 caption_words, decode, encode, parameter_counts, render_set,
+                                                 train_vae, words_outside)
 from jagg_lightning.testbed.train import _EMA
 
 SCHEDULER_SHIFT = 3.0
@@ -62,10 +62,15 @@ def judge(reward, images: torch.Tensor, rows: list[dict]) -> dict:
     mean of Flow-GRPO's dense score."""
     from jagg_lightning.rewards.geneval_rules import task_scores
 
+    from collections import Counter
+
     judged = reward.judge_images(images, as_prompts(rows))
     scores = {k: round(v, 4) for k, v in task_scores([j.tag for j in judged], [j.correct for j in judged]).items()}
     scores["dense_reward"] = round(float(reward.scores_of(judged).mean()), 4)
     scores["images"] = len(judged)
+    # why images fail: the rules' first reason, most common first
+    reasons = Counter(str(j.reason).splitlines()[0] if j.reason else "?" for j in judged if not j.correct)
+    scores["failures"] = dict(reasons.most_common(4))
     return scores
 
 
@@ -156,7 +161,7 @@ def train_transformer(pipe, lat_mean, lat_std, prompts, args, log, on_eval=None)
         opt.step()
         sched.step()
         ema.update(step)
-        losses.append(loss.item())
+        losses.append(float(loss.detach()))
         if (step + 1) % 100 == 0 or step + 1 == steps:
             tail = losses[-100:]
             curve.append({"step": step + 1, "flow_loss": round(sum(tail) / len(tail), 4)})
@@ -202,6 +207,7 @@ def parse_args(argv=None):
     parser.add_argument("--dit-batch", type=int, default=64)
     parser.add_argument("--dit-lr", type=float, default=1e-3)
     parser.add_argument("--ema-decay", type=float, default=0.998)
+    parser.add_argument("--latent-channels", type=int, default=LATENT_CHANNELS)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=24)
@@ -214,7 +220,8 @@ def parse_args(argv=None):
     parser.add_argument("--eval-every", type=int, default=0, help="held-out curve every N steps (0 = none)")
     args = parser.parse_args(argv)
     for name in ("scenes_per_task", "heldout_scenes_per_task", "vae_steps", "vae_batch", "dit_steps", "dit_batch",
-                 "layers", "heads", "head_dim", "text_width", "eval_steps", "eval_samples", "eval_train_per_task"):
+                 "latent_channels", "layers", "heads", "head_dim", "text_width", "eval_steps", "eval_samples",
+                 "eval_train_per_task"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
@@ -251,7 +258,7 @@ def main(argv=None) -> dict:
     held_images, held_rows = render_set(heldout_rows, args.heldout_scenes_per_task, args.seed + 1)
     log(f"rendered {len(images)} train / {len(held_images)} held-out scenes")
     tok, tok2, te1, te2, vae, transformer = build_components(args.seed, words, args.layers, args.heads,
-                                                             args.head_dim, args.text_width)
+                                                             args.head_dim, args.text_width, args.latent_channels)
     reward = GenEvalReward(reader="scenes", score="flow_grpo")
     vae_info = train_vae(vae, images, args.vae_steps, args.vae_batch, 2e-3, args.seed + 3, log)
     vae_info["reader_check_heldout"] = reader_check(vae, reward, held_images, held_rows)
