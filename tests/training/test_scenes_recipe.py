@@ -18,7 +18,7 @@ from jagg_lightning.testbed.scenes.train import main
 
 TINY = ["--scenes-per-task", "6", "--heldout-scenes-per-task", "1", "--vae-steps", "2", "--vae-batch", "2",
         "--dit-steps", "3", "--dit-batch", "4", "--layers", "2", "--eval-steps", "1", "--eval-samples", "1",
-        "--eval-train-per-task", "1", "--eval-heldout-per-task", "1"]
+        "--eval-train-per-task", "1", "--eval-heldout-per-task", "1", "--eval-every", "2"]
 WEIGHTS = ("transformer/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors",
            "text_encoder/model.safetensors", "text_encoder_2/model.safetensors")
 
@@ -87,6 +87,7 @@ def test_saved_folder_loads_in_diffusers_and_samples_64px(first_run, rng_seed):
     assert set(info["evaluation"]) == {"heldout_cfg2", "heldout_cfg1", "train_cfg2", "train_cfg1"}
     assert {"single_object", "color_attr", "overall"} <= set(info["evaluation"]["heldout_cfg1"])
     assert info["image_size"] == IMAGE_SIZE and info["train_cpu_s"] > 0
+    assert [point["step"] for point in info["transformer"]["heldout_curve_no_cfg"]] == [2]  # --eval-every 2 of 3
     with pytest.raises(SystemExit, match="exists"):  # a finished run is never overwritten
         main(["--out", str(folder), *TINY])
     pipe = StableDiffusion3Pipeline.from_pretrained(folder, text_encoder_3=None, tokenizer_3=None)

@@ -201,9 +201,9 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--scenes-per-task", type=int, default=2000)
     parser.add_argument("--heldout-scenes-per-task", type=int, default=100)
-    parser.add_argument("--vae-steps", type=int, default=500)
-    parser.add_argument("--vae-batch", type=int, default=32)
-    parser.add_argument("--dit-steps", type=int, default=5000)
+    parser.add_argument("--vae-steps", type=int, default=1200)
+    parser.add_argument("--vae-batch", type=int, default=16)
+    parser.add_argument("--dit-steps", type=int, default=4500)
     parser.add_argument("--dit-batch", type=int, default=64)
     parser.add_argument("--dit-lr", type=float, default=1e-3)
     parser.add_argument("--ema-decay", type=float, default=0.998)
@@ -217,7 +217,7 @@ def parse_args(argv=None):
     parser.add_argument("--eval-samples", type=int, default=4, help="samples per evaluated row")
     parser.add_argument("--eval-train-per-task", type=int, default=20, help="train rows evaluated per task")
     parser.add_argument("--eval-heldout-per-task", type=int, default=0, help="held-out rows per task (0 = all)")
-    parser.add_argument("--eval-every", type=int, default=0, help="held-out curve every N steps (0 = none)")
+    parser.add_argument("--eval-every", type=int, default=500, help="held-out curve every N steps (0 = none)")
     args = parser.parse_args(argv)
     for name in ("scenes_per_task", "heldout_scenes_per_task", "vae_steps", "vae_batch", "dit_steps", "dit_batch",
                  "latent_channels", "layers", "heads", "head_dim", "text_width", "eval_steps", "eval_samples",
