@@ -7,7 +7,9 @@ GenEval's six task families with GenEval's own phrasing (:mod:`.captions`), with
 compositions written as GenEval metadata JSONL (``TRAIN_METADATA``, ``HELDOUT_METADATA``).
 
 :class:`jagg_lightning.rewards.GenEvalReward` with its ``scenes`` reader scores them (GenEval's rules over an
-exact reader of these renders). The scenes model itself is not trained yet (docs/testbed.md, "Scenes").
+exact reader of these renders). The scenes model's recipe is :mod:`.train` (``python -m
+jagg_lightning.testbed.scenes.train --out DIR``; its parts in :mod:`.model`); no trained model ships yet
+(docs/testbed.md, "Scenes").
 """
 
 from jagg_lightning.rewards.geneval_scenes import PALETTE, SHAPES
