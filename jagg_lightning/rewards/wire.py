@@ -186,6 +186,8 @@ def _decode_safetensors(body: bytes, max_batch: int, max_side: int, max_pixels: 
     if not isinstance(metadata, dict) or not isinstance(metadata.get("prompts", "null"), str):
         raise WireError(422, "metadata 'prompts' must be a JSON array of strings")
     prompts = _loads(metadata.get("prompts", "null"), "metadata 'prompts'")
+    if not isinstance(metadata.get("rows", ""), str):
+        raise WireError(422, "metadata 'rows' must be a JSON array of objects, as a string")
     rows = _loads(metadata["rows"], "metadata 'rows'") if "rows" in metadata else None
     _check_prompts(prompts, max_batch)
     _check_pixels(int(shape[0]) * int(shape[1]) * int(shape[2]), max_pixels)

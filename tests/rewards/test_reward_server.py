@@ -499,5 +499,9 @@ def test_a_served_geneval_reward_receives_each_prompts_metadata(tmp_path, rng_se
                                                       "rows": json.dumps(bad)})
             status, answer = post(url, body, token=None)
             assert status == 422 and "rows must be a JSON array of 1 objects" in answer["error"], (bad, answer)
+        header = json.dumps({"__metadata__": {"prompts": '["a photo of a circle"]', "rows": 7},
+                             "images": {"dtype": "U8", "shape": [1, 8, 8, 3], "data_offsets": [0, 192]}}).encode()
+        status, answer = post(url, len(header).to_bytes(8, "little") + header + bytes(192), token=None)
+        assert status == 422 and "metadata 'rows' must be" in answer["error"], answer
     finally:
         stop(process)
