@@ -240,7 +240,9 @@ def accuracy_on_renders(judge: SceneJudge, rows: list[dict], seed: int, degraded
     """GenEval's per-task correctness of the judge's reading of scenes rendered to satisfy ``rows`` (every image is
     right, so this is the judge's accuracy), and of the same images against the NEXT row (mostly wrong: the share
     where the judge agrees with the exact reader)."""
-    from jagg_lightning.rewards.geneval_rules import judge as judge_rules, task_scores
+    from jagg_lightning.models.conditions import ConditionedPrompt
+    from jagg_lightning.rewards.geneval import read_and_judge
+    from jagg_lightning.rewards.geneval_rules import task_scores
     from jagg_lightning.rewards.geneval_scenes import SceneReader
     from jagg_lightning.testbed.scenes.render import render, scene_for
 
@@ -249,16 +251,12 @@ def accuracy_on_renders(judge: SceneJudge, rows: list[dict], seed: int, degraded
     images = images.float() / 255
     if degraded:
         images = degrade(images, generator)
-    arrays = list((images.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8))
-    reader, exact = SceneJudgeReader(judge), SceneReader()
-    read, read_exact = reader.detect(arrays), exact.detect(arrays)
-    def colours(objs, name):
-        return [d.color for d in objs]
-
-    right = [judge_rules(found, row, colours, THRESHOLDS).correct for found, row in zip(read, rows)]
-    shifted = rows[1:] + rows[:1]
-    agree = [judge_rules(a, row, colours, THRESHOLDS).correct == judge_rules(b, row, colours).correct
-             for a, b, row in zip(read, read_exact, shifted)]
+    prompts = [ConditionedPrompt(r["prompt"], origin=f"row {i}", metadata=r) for i, r in enumerate(rows)]
+    reader = SceneJudgeReader(judge)
+    right = [j.correct for j in read_and_judge(reader, images, prompts, THRESHOLDS)]
+    shifted = prompts[1:] + prompts[:1]
+    agree = [a.correct == b.correct for a, b in zip(read_and_judge(reader, images, shifted, THRESHOLDS),
+                                                    read_and_judge(SceneReader(), images, shifted))]
     scores = task_scores([r["tag"] for r in rows], right)
     scores["agreement_on_mismatched"] = float(np.mean(agree))
     return scores
