@@ -137,7 +137,7 @@ def run_config(base: dict, name: str, lr: float | None = None, group_size: int |
     return cfg
 
 
-def one_run(args, cfg: dict, label: str, name: str, seed: int, prompts, reward, judge, eval_prompts) -> dict:
+def one_run(args, cfg: dict, label: str, name: str, seed: int, prompts, heldout) -> dict:
     from jagg_lightning.data import PromptDataModule
     from jagg_lightning.testbed.evaluate import module_from_config
 
@@ -148,7 +148,7 @@ def one_run(args, cfg: dict, label: str, name: str, seed: int, prompts, reward, 
         module, _ = module_from_config(f.name, seed)
     finally:
         Path(f.name).unlink()
-    rec = Recorder(reward, judge, eval_prompts, args.eval_samples, 1000 + seed, args.eval_every)
+    rec = Recorder(heldout, 1000 + seed, args.eval_every)
     trainer = L.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[rec])
     trainer.fit(module, PromptDataModule(prompts=prompts, batch_size=cfg["data"].get("batch_size", 16), seed=seed))
@@ -174,16 +174,13 @@ def tuned_settings(args, base: dict) -> dict:
 
 
 def run(args) -> dict:
+    from heldout import heldout_for
     from jagg_lightning.data import read_prompts
-    from jagg_lightning.rewards import DigitReward
-    from jagg_lightning.testbed import HELDOUT_TEMPLATES, digit_prompts
-    from jagg_lightning.testbed.judge import load_judge
 
     torch.set_num_threads(1)
     base = yaml.safe_load(Path(args.config).read_text())
     prompts = read_prompts(base["data"]["prompts_file"])
-    reward, judge = DigitReward(), load_judge()
-    eval_prompts = digit_prompts(HELDOUT_TEMPLATES)
+    heldout = heldout_for(base, args.eval_samples)
     out = Path(args.out) / args.name
     out.parent.mkdir(parents=True, exist_ok=True)
     result = json.loads(out.read_text()) if args.resume and out.exists() else {"runs": []}
@@ -206,8 +203,7 @@ def run(args) -> dict:
                 if (seed, label) in done:
                     continue
                 t0 = time.time()
-                r = one_run(args, run_config(base, name, lr, k), label, name, seed, prompts, reward, judge,
-                            eval_prompts)
+                r = one_run(args, run_config(base, name, lr, k), label, name, seed, prompts, heldout)
                 result["runs"].append(r)
                 out.write_text(json.dumps(result) + "\n")
                 e0, e1 = r["evals"][0], r["evals"][-1]

@@ -110,16 +110,13 @@ def model_cost(name: str, num_steps: int = 10, trained: int = 4) -> float:
 class Recorder(L.Callback):
     """Training reward and CPU time per step (the step only), held-out evaluation every ``every`` steps."""
 
-    def __init__(self, reward, judge, prompts, samples, seed, every):
-        self.reward, self.judge, self.prompts, self.samples, self.seed, self.every = (reward, judge, prompts,
-                                                                                       samples, seed, every)
+    def __init__(self, heldout, seed, every):
+        self.heldout, self.seed, self.every = heldout, seed, every  # heldout: benchmarks/heldout.py
         self.train_reward, self.cpu, self.evals, self._cpu = [], [], [], 0.0
         self.routed, self.scores, self.passes = [], [], []  # per step: which windows were routed, their scores
 
     def evaluate(self, trainer, module):
-        from jagg_lightning.testbed.evaluate import heldout_accuracy
-
-        res = heldout_accuracy(module, self.reward, self.prompts, self.samples, seed=self.seed, judge=self.judge)
+        res = self.heldout(module, self.seed)
         self.evals.append({"step": trainer.global_step, "cpu": self._cpu, **{k: res[k] for k in
                           ("accuracy", "reward", "judge_accuracy", "judge_agreement")}})
 
@@ -141,7 +138,7 @@ class Recorder(L.Callback):
             self.evaluate(trainer, module)
 
 
-def one_run(args, base_cfg: dict, name: str, seed: int, prompts, reward, judge, eval_prompts) -> dict:
+def one_run(args, base_cfg: dict, name: str, seed: int, prompts, heldout) -> dict:
     from jagg_lightning.data import PromptDataModule
     from jagg_lightning.testbed.evaluate import module_from_config
 
@@ -153,7 +150,7 @@ def one_run(args, base_cfg: dict, name: str, seed: int, prompts, reward, judge, 
     L.seed_everything(seed, verbose=False)
     module, _ = module_from_config(f.name, seed, **jagg)
     Path(f.name).unlink()
-    rec = Recorder(reward, judge, eval_prompts, args.eval_samples, 1000 + seed, args.eval_every)
+    rec = Recorder(heldout, 1000 + seed, args.eval_every)
     trainer = L.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[rec])
     trainer.fit(module, PromptDataModule(prompts=prompts, batch_size=cfg["data"].get("batch_size", 16), seed=seed))
@@ -164,16 +161,13 @@ def one_run(args, base_cfg: dict, name: str, seed: int, prompts, reward, judge, 
 
 
 def run(args) -> dict:
+    from heldout import heldout_for
     from jagg_lightning.data import read_prompts
-    from jagg_lightning.rewards import DigitReward
-    from jagg_lightning.testbed import HELDOUT_TEMPLATES, digit_prompts
-    from jagg_lightning.testbed.judge import load_judge
 
     torch.set_num_threads(1)
     base_cfg = yaml.safe_load(Path(args.config).read_text())
     prompts = read_prompts(base_cfg["data"]["prompts_file"])  # a shipped name or a path (jagg_lightning.utils.assets)
-    reward, judge = DigitReward(), load_judge()
-    eval_prompts = digit_prompts(HELDOUT_TEMPLATES)
+    heldout = heldout_for(base_cfg, args.eval_samples)
     out = Path(args.out) / args.name
     out.parent.mkdir(parents=True, exist_ok=True)
     result = json.loads(out.read_text()) if args.resume and out.exists() else {"runs": []}
@@ -188,7 +182,7 @@ def run(args) -> dict:
             if (seed, name) in done:
                 continue
             t0 = time.time()
-            r = one_run(args, base_cfg, name, seed, prompts, reward, judge, eval_prompts)
+            r = one_run(args, base_cfg, name, seed, prompts, heldout)
             result["runs"].append(r)
             out.write_text(json.dumps(result) + "\n")
             e0, e1 = r["evals"][0], r["evals"][-1]

@@ -17,8 +17,6 @@ where the judge and the reward's reader agree on GenEval's correctness) -- the r
 
 from __future__ import annotations
 
-import dataclasses
-
 import lightning as L
 
 
@@ -92,15 +90,13 @@ class GenEvalAccuracy(L.Callback):
         return metrics
 
     def _judge_metrics(self, images, prompts, judged, stage: str, device) -> dict[str, float]:
-        from jagg_lightning.rewards.geneval import GenEvalReward, read_and_judge
-        from jagg_lightning.testbed.scenes.judge import (COUNTING_THRESHOLD, SCENES_JUDGE_PATH, SceneJudgeReader,
+        from jagg_lightning.rewards.geneval import GenEvalReward
+        from jagg_lightning.testbed.scenes.judge import (SCENES_JUDGE_PATH, SceneJudgeReader, judge_geneval,
                                                          load_scene_judge)
 
         if self.judge_reader is None:
             self.judge_reader = SceneJudgeReader(load_scene_judge(self.judge_path or SCENES_JUDGE_PATH).to(device))
-        # the reward's thresholds, but counting on the judge's own confidence scale (judge.py)
-        thresholds = dataclasses.replace(self.reward.thresholds, counting_threshold=COUNTING_THRESHOLD)
-        seen = read_and_judge(self.judge_reader, images, prompts, thresholds)
+        seen = judge_geneval(self.judge_reader, self.reward, images, prompts)
         metrics = {k.replace("/geneval/", "/judge_geneval/"): v for k, v in GenEvalReward.metrics(seen, stage).items()}
         metrics[f"{stage}/judge_geneval/agreement"] = sum(a.correct == b.correct for a, b in zip(seen, judged)) / len(
             seen)

@@ -9,6 +9,7 @@ import lightning as L
 import numpy as np
 import torch
 
+from jagg_lightning.callbacks.geneval_accuracy import evenly_per_task
 from jagg_lightning.data import read_prompts
 from jagg_lightning.training.grids import (
     GridMarks, LabelledGrid, count_right, grid_layout, image_grid, labelled_grid, reward_marks, with_sources,
@@ -44,17 +45,25 @@ class SampleImages(L.Callback):
         prompts_file: Prompts read as `data.prompts_file` reads them: a text file, a JSONL file or a dataset folder
             (its `split`'s metadata) -- how a config gives conditioned prompts.
         split: The split a dataset folder given as `prompts_file` is read from (its `<split>_metadata.jsonl`).
+        prompts_per_task: With GenEval metadata prompts: only this many rows of each task (`tag`), evenly spaced in
+            the file's order, >= 1 (the scenes test bed's grid: a few rows per task, framed right / wrong by
+            GenEval's rules); null = every prompt.
     """
 
     def __init__(self, prompts: list[str] | None = None, every_n_steps: int = 50, seed: int = 0,
                  num_steps: int | None = None, dirpath: str | None = None, samples_per_prompt: int = 1,
-                 scale: int | None = None, prompts_file: str | None = None, split: str = "test"):
+                 scale: int | None = None, prompts_file: str | None = None, split: str = "test",
+                 prompts_per_task: int | None = None):
         super().__init__()
         if (prompts is None) == (prompts_file is None):
             raise ValueError("SampleImages needs exactly one of prompts (a list) and prompts_file (a text or JSONL "
                              f"file, or a dataset folder); got prompts={prompts!r}, prompts_file={prompts_file!r}")
         if prompts_file is not None:
             prompts = read_prompts(prompts_file, "SampleImages.prompts_file", split)
+        if prompts_per_task is not None:
+            if prompts_per_task < 1:
+                raise ValueError(f"SampleImages.prompts_per_task must be >= 1 or null, got {prompts_per_task}")
+            prompts = evenly_per_task(prompts, prompts_per_task)
         if not prompts:
             raise ValueError("SampleImages.prompts must not be empty")
         if every_n_steps < 1:

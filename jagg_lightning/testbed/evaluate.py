@@ -1,4 +1,7 @@
-"""Held-out prompt following on the digits test bed: ODE samples of fixed seeds, read by the classifier.
+"""Held-out prompt following on the test beds: ODE samples of fixed seeds, read by the reward's reader and the judge.
+
+Digits (:func:`heldout_accuracy`: the classifier, the digits judge) and scenes (:func:`heldout_geneval`: GenEval's
+rules over the exact reader and over the scenes judge).
 
 Plain torch on a :class:`~jagg_lightning.module.JAGGModule` (its sampler, policy and inference
 weights), so a validation loop, a callback or a benchmark can all call it.
@@ -56,6 +59,34 @@ def heldout_accuracy(module, reward: DigitReward, prompts: list[str] | None = No
         judged = judge(images).argmax(-1).cpu()
         result["judge_accuracy"] = float((judged == target).float().mean())
         result["judge_agreement"] = float((judged == read).float().mean())
+    return result
+
+
+@torch.no_grad()
+def heldout_geneval(module, reward, prompts: list, samples_per_prompt: int = 2, seed: int = 1234,
+                    num_steps: int | None = None, judge_reader=None) -> dict:
+    """ODE samples of ``prompts`` (GenEval metadata prompts; noise from ``seed``, the inference weights) judged by
+    ``reward`` (a :class:`~jagg_lightning.rewards.GenEvalReward`): {"accuracy": GenEval's overall score (the mean
+    of the per-task accuracies), "per_task": {task: accuracy}, "reward": the mean of the reward's score,
+    "samples": how many}; with a ``judge_reader``
+    (:class:`~jagg_lightning.testbed.scenes.judge.SceneJudgeReader`, read by
+    :func:`~jagg_lightning.testbed.scenes.judge.judge_geneval`) also "judge_accuracy" (its overall score on the same
+    images) and "judge_agreement" (the share of images where judge and reward agree on correctness). The scenes'
+    counterpart of :func:`heldout_accuracy`; :class:`~jagg_lightning.callbacks.GenEvalAccuracy` logs the same numbers
+    during fit."""
+    from jagg_lightning.rewards.geneval_rules import task_scores
+    from jagg_lightning.testbed.scenes.judge import judge_geneval
+
+    images = sample_images(module, prompts, samples_per_prompt, seed, num_steps)
+    per_sample = [p for p in prompts for _ in range(samples_per_prompt)]
+    judged = reward.judge_images(images, per_sample)
+    scores = task_scores([j.tag for j in judged], [j.correct for j in judged])
+    result = {"accuracy": scores.pop("overall"), "per_task": scores,
+              "reward": float(reward.scores_of(judged).mean()), "samples": len(per_sample)}
+    if judge_reader is not None:
+        seen = judge_geneval(judge_reader, reward, images, per_sample)
+        result["judge_accuracy"] = task_scores([j.tag for j in seen], [j.correct for j in seen])["overall"]
+        result["judge_agreement"] = sum(a.correct == b.correct for a, b in zip(seen, judged)) / len(seen)
     return result
 
 

@@ -41,6 +41,20 @@ def test_the_reader_reads_rendered_scenes_back_exactly(rng_seed):
         assert all(d.score > 0.9 and d.mask.sum() > 0 for ds in found.values() for d in ds)
 
 
+def test_the_reader_allows_a_decoders_softening(rng_seed):
+    """A VAE returns a render about a pixel softer (rounded tips); the pointed shapes' prototypes allow for it: after a
+    0.8 px Gaussian blur most held-out ground truth still scores correct (0.90-0.93 measured on 720 scenes; 0.78
+    with the exact shapes' prototypes), while the sharp renders all do (the test above)."""
+    import torchvision.transforms.functional as TF
+
+    rng = np.random.default_rng(rng_seed)
+    prompts = read_conditioned_prompts(HELDOUT_METADATA, "data.val_prompts_file")
+    chosen = [prompts[i] for i in rng.integers(0, len(prompts), 360)]
+    images = as_batch([render(scene_for(p.metadata, rng)) for p in chosen])
+    softened = (TF.gaussian_blur(images, 5, 0.8) * 255).round() / 255
+    assert GenEvalReward().correct(softened, chosen).float().mean() >= 0.85  # +-0.016 (one std) at 360
+
+
 def test_rendering_is_deterministic_from_the_seed(rng_seed):
     row = json.loads(TRAIN_METADATA.read_text().splitlines()[-1])
     first = np.asarray(render(scene_for(row, np.random.default_rng(rng_seed))))

@@ -143,3 +143,14 @@ def test_callback_arguments_are_checked(tmp_path):
         SampleImages(prompts=["a cat"], prompts_file="configs/prompts/tiny.txt")
     with pytest.raises(FileNotFoundError, match="no test_metadata.jsonl"):
         SampleImages(prompts_file=str(tmp_path))  # a folder that is not a dataset
+
+
+def test_sample_images_takes_a_few_rows_of_each_geneval_task():
+    """``prompts_per_task`` keeps that many held-out rows of every task, task by task, each with its metadata."""
+    from jagg_lightning.rewards.geneval_rules import TASKS
+
+    samples = SampleImages(prompts_file="scenes_heldout", prompts_per_task=2)
+    tags = [p.metadata["tag"] for p in samples.prompts]
+    assert sorted(tags) == sorted(TASKS * 2) and tags == sorted(tags, key=tags.index)  # grouped by task
+    with pytest.raises(ValueError, match="SampleImages.prompts_per_task must be >= 1 or null, got 0"):
+        SampleImages(prompts_file="scenes_heldout", prompts_per_task=0)

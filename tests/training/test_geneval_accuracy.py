@@ -8,7 +8,7 @@ from jagg_lightning.callbacks import GenEvalAccuracy
 from jagg_lightning.rewards import GenEvalReward
 from jagg_lightning.rewards.geneval import read_and_judge
 from jagg_lightning.rewards.geneval_rules import TASKS
-from jagg_lightning.testbed.evaluate import sample_images
+from jagg_lightning.testbed.evaluate import heldout_geneval, sample_images
 from jagg_lightning.testbed.scenes.judge import THRESHOLDS, SceneJudgeReader, load_scene_judge
 
 from modules import make_module
@@ -43,6 +43,12 @@ def test_per_task_scores_of_the_models_samples_are_logged(tmp_path, rng_seed):
     assert logged["val/judge_geneval/agreement"] == pytest.approx(
         np.mean([a.correct == b.correct for a, b in zip(seen, judged)]))
     assert logged["val/geneval/reward"] == pytest.approx(sum(j.score for j in judged) / len(judged))
+    # the studies' evaluation (benchmarks/heldout.py) reports the same numbers for the same samples
+    study = heldout_geneval(module, GenEvalReward(), callback.prompts, 1, rng_seed, 3, SceneJudgeReader(load_scene_judge()))
+    assert (study["accuracy"], study["judge_accuracy"], study["judge_agreement"], study["reward"]) == pytest.approx(
+        (logged["val/geneval/overall"], logged["val/judge_geneval/overall"], logged["val/judge_geneval/agreement"],
+         logged["val/geneval/reward"]))
+    assert study["per_task"] == pytest.approx({t: logged[f"val/geneval/{t}"] for t in TASKS})
     assert "val/geneval/overall" in (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
 
 

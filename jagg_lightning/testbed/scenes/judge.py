@@ -28,6 +28,7 @@ rendered scenes in the metadata). :class:`SceneJudgeReader` is a GenEval reader 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -123,6 +124,15 @@ class SceneJudgeReader:
 
     def colors(self, image: np.ndarray, found: list[Detection], classname: str) -> list[str]:
         return [d.color for d in found]
+
+
+def judge_geneval(judge_reader, reward, images, prompts: list) -> list:
+    """GenEval's judgements of ``images`` read by the scenes judge under ``reward``'s rules, counting on the judge's
+    own confidence scale (:data:`COUNTING_THRESHOLD`; GenEval's 0.9 is Mask2Former's)."""
+    from jagg_lightning.rewards.geneval import read_and_judge
+
+    thresholds = dataclasses.replace(reward.thresholds, counting_threshold=COUNTING_THRESHOLD)
+    return read_and_judge(judge_reader, images, prompts, thresholds)
 
 
 def load_scene_judge(path: str | Path = SCENES_JUDGE_PATH) -> SceneJudge:

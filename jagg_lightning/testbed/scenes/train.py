@@ -201,7 +201,7 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--scenes-per-task", type=int, default=2000)
     parser.add_argument("--heldout-scenes-per-task", type=int, default=100)
-    parser.add_argument("--vae-steps", type=int, default=1200)
+    parser.add_argument("--vae-steps", type=int, default=2400)
     parser.add_argument("--vae-batch", type=int, default=16)
     parser.add_argument("--dit-steps", type=int, default=4500)
     parser.add_argument("--dit-batch", type=int, default=64)

@@ -1,0 +1,58 @@
+"""The studies' held-out evaluation, one per test bed, picked by the config's reward.
+
+Each evaluator is called as ``evaluator(module, seed)`` and returns {"accuracy", "reward", "judge_accuracy",
+"judge_agreement", ...}: the reward's reader and the independent judge on the same fixed-noise ODE samples of the
+test bed's HELD-OUT prompts.
+
+* ``digits`` (``model.reward: digits``): the 30 held-out prompts, accuracy = the share of samples the classifier
+  reads as the prompted digit, the judge :mod:`jagg_lightning.testbed.judge`
+  (:func:`jagg_lightning.testbed.evaluate.heldout_accuracy`).
+* ``scenes`` (``model.reward: geneval``, reader ``scenes``): the held-out GenEval metadata rows
+  (``data.val_prompts_file``), accuracy = GenEval's overall score (the mean over its six tasks), the judge
+  :mod:`jagg_lightning.testbed.scenes.judge` under the same rules
+  (:func:`jagg_lightning.testbed.evaluate.heldout_geneval`).
+"""
+
+from __future__ import annotations
+
+
+class DigitsHeldOut:
+    def __init__(self, samples: int):
+        from jagg_lightning.rewards import DigitReward
+        from jagg_lightning.testbed import HELDOUT_TEMPLATES, digit_prompts
+        from jagg_lightning.testbed.judge import load_judge
+
+        self.reward, self.judge, self.samples = DigitReward(), load_judge(), samples
+        self.prompts = digit_prompts(HELDOUT_TEMPLATES)
+
+    def __call__(self, module, seed: int) -> dict:
+        from jagg_lightning.testbed.evaluate import heldout_accuracy
+
+        return heldout_accuracy(module, self.reward, self.prompts, self.samples, seed=seed, judge=self.judge)
+
+
+class ScenesHeldOut:
+    def __init__(self, samples: int, prompts_file: str = "scenes_heldout"):
+        from jagg_lightning.data import read_prompts
+        from jagg_lightning.rewards.geneval import GenEvalReward
+        from jagg_lightning.testbed.scenes.judge import SceneJudgeReader, load_scene_judge
+
+        self.reward, self.judge = GenEvalReward(reader="scenes"), SceneJudgeReader(load_scene_judge())
+        self.prompts, self.samples = read_prompts(prompts_file, "data.val_prompts_file"), samples
+
+    def __call__(self, module, seed: int) -> dict:
+        from jagg_lightning.testbed.evaluate import heldout_geneval
+
+        return heldout_geneval(module, self.reward, self.prompts, self.samples, seed=seed, judge_reader=self.judge)
+
+
+def heldout_for(config: dict, samples: int):
+    """The evaluator of the test bed ``config`` (a LightningCLI YAML as a dict) trains on."""
+    reward = config["model"].get("reward")
+    name = reward if isinstance(reward, str) else (reward or {}).get("class_path", "")
+    if name == "digits" or name.endswith("DigitReward"):
+        return DigitsHeldOut(samples)
+    if name == "geneval" or name.endswith("GenEvalReward"):
+        return ScenesHeldOut(samples, config.get("data", {}).get("val_prompts_file") or "scenes_heldout")
+    raise ValueError(f"model.reward: the studies evaluate the digits or the scenes test bed (reward 'digits' or "
+                     f"'geneval'), got {reward!r}")
