@@ -6,6 +6,8 @@ Per (seed, method) one run of ``--steps`` optimizer steps, one thread, seed-majo
 stopped league has whole seeds); time is the process CPU time of the training steps only. Every ``--eval-every``
 steps both readers -- the reward's classifier (``val/digit_accuracy``) and the independent judge
 (``val/judge_accuracy``) -- read the same fixed-noise ODE samples of the 30 HELD-OUT prompts (noise seed 1000 + seed).
+``--config configs/scenes.yaml`` runs it on the scenes test bed (GenEval's overall score by the exact reader and by
+the scenes judge: ``benchmarks/heldout.py``).
 The recording is ``time_to_quality.py``'s (``Recorder``); the statistics, tables, the sweep's choice and the plot are
 ``league_report.py``'s.
 
