@@ -47,6 +47,7 @@ class GenEvalAccuracy(L.Callback):
                  clip_path: str | None = None, judge: bool | None = None, judge_path: str | None = None):
         super().__init__()
         from jagg_lightning.data import read_prompts
+        from jagg_lightning.models.conditions import evenly_per_task
 
         for name, value in (("every_n_steps", every_n_steps), ("samples_per_prompt", samples_per_prompt),
                             ("prompts_per_task", 1 if prompts_per_task is None else prompts_per_task)):
@@ -120,19 +121,3 @@ class GenEvalAccuracy(L.Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         if self._step % self.every_n_steps:
             self.evaluate(trainer, pl_module)
-
-
-def evenly_per_task(prompts: list, per_task: int | None) -> list:
-    """``per_task`` rows of each task (``metadata["tag"]``), evenly spaced in the file's order; None = all."""
-    from jagg_lightning.models.conditions import metadata_of
-
-    if per_task is None:
-        return list(prompts)
-    by_task: dict[str, list] = {}
-    for p in prompts:
-        by_task.setdefault(metadata_of(p).get("tag", ""), []).append(p)
-    chosen = set()
-    for rows in by_task.values():
-        step = max(len(rows) / per_task, 1)
-        chosen |= {id(rows[int(i * step)]) for i in range(min(per_task, len(rows)))}
-    return [p for p in prompts if id(p) in chosen]

@@ -9,8 +9,8 @@ import lightning as L
 import numpy as np
 import torch
 
-from jagg_lightning.callbacks.geneval_accuracy import evenly_per_task
 from jagg_lightning.data import read_prompts
+from jagg_lightning.models.conditions import evenly_per_task
 from jagg_lightning.training.grids import (
     GridMarks, LabelledGrid, count_right, grid_layout, image_grid, labelled_grid, reward_marks, with_sources,
 )

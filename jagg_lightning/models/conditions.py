@@ -64,6 +64,23 @@ def metadata_of(prompt) -> dict:
     return getattr(prompt, "metadata", None) or {}
 
 
+
+def evenly_per_task(items: list, per_task: int | None, tag_of=None) -> list:
+    """``per_task`` items of each GenEval task, evenly spaced within the task in the list's order, kept in that
+    order; None = all. ``tag_of(item)`` names an item's task: by default its metadata's ``tag`` (a prompt), e.g.
+    ``lambda row: row["tag"]`` for metadata rows."""
+    if per_task is None:
+        return list(items)
+    tag_of = tag_of or (lambda p: metadata_of(p).get("tag", ""))
+    by_task: dict[str, list] = {}
+    for item in items:
+        by_task.setdefault(tag_of(item), []).append(item)
+    chosen = set()
+    for rows in by_task.values():
+        step = max(len(rows) / per_task, 1)
+        chosen |= {id(rows[int(i * step)]) for i in range(min(per_task, len(rows)))}
+    return [item for item in items if id(item) in chosen]
+
 def where(prompt) -> str:
     return getattr(prompt, "origin", "") or repr(str(prompt))
 

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from jagg_lightning.models.conditions import evenly_per_task
 from jagg_lightning.testbed.scenes.captions import HELDOUT_METADATA, TRAIN_METADATA
 from jagg_lightning.testbed.scenes.model import (IMAGE_SIZE, LATENT_CHANNELS, MAX_SEQUENCE_LENGTH, build_components,
                                                  caption_words, decode, encode, parameter_counts, render_set,
@@ -48,6 +49,10 @@ SCHEDULER_SHIFT = 3.0
 
 def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def by_tag(row: dict) -> str:
+    return row["tag"]
 
 
 def as_prompts(rows: list[dict]) -> list:
@@ -72,18 +77,6 @@ def judge(reward, images: torch.Tensor, rows: list[dict]) -> dict:
     reasons = Counter(str(j.reason).splitlines()[0] if j.reason else "?" for j in judged if not j.correct)
     scores["failures"] = dict(reasons.most_common(4))
     return scores
-
-
-def evenly(rows: list[dict], per_task: int) -> list[dict]:
-    """Up to ``per_task`` rows of each task, evenly spaced in the file's order."""
-    by_task: dict[str, list[dict]] = {}
-    for row in rows:
-        by_task.setdefault(row["tag"], []).append(row)
-    chosen = []
-    for task_rows in by_task.values():
-        step = max(len(task_rows) / per_task, 1)
-        chosen += [task_rows[int(i * step)] for i in range(min(per_task, len(task_rows)))]
-    return chosen
 
 
 @torch.no_grad()
@@ -249,7 +242,7 @@ def main(argv=None) -> dict:
         timings[stage] = {"wall_s": round(time.time() - start, 1), "cpu_s": round(time.process_time() - cpu_start, 1)}
 
     train_rows, heldout_rows = read_rows(TRAIN_METADATA), read_rows(HELDOUT_METADATA)
-    heldout_eval_rows = evenly(heldout_rows, args.eval_heldout_per_task) if args.eval_heldout_per_task else heldout_rows
+    heldout_eval_rows = evenly_per_task(heldout_rows, args.eval_heldout_per_task or None, by_tag)
     words = caption_words(train_rows)
     unknown = sorted({w for row in heldout_rows for w in words_outside(row["prompt"], words)})
     if unknown:
@@ -296,7 +289,7 @@ def main(argv=None) -> dict:
     mark("transformer")
 
     evaluation = {}
-    train_eval_rows = evenly(train_rows, args.eval_train_per_task)
+    train_eval_rows = evenly_per_task(train_rows, args.eval_train_per_task, by_tag)
     for name, rows in (("heldout", heldout_eval_rows), ("train", train_eval_rows)):
         for cfg in (args.eval_guidance, 1.0):
             key = f"{name}_cfg{cfg:g}"
