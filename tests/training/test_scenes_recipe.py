@@ -23,8 +23,8 @@ WEIGHTS = ("transformer/diffusion_pytorch_model.safetensors", "vae/diffusion_pyt
            "text_encoder/model.safetensors", "text_encoder_2/model.safetensors")
 
 
-def tiny_run(folder, seed: int = 0):
-    main(["--out", str(folder), "--seed", str(seed), *TINY])
+def tiny_run(folder, seed: int = 0, extra=()):
+    main(["--out", str(folder), "--seed", str(seed), *TINY, *extra])
     return {name: load_file(folder / name) for name in WEIGHTS}
 
 
@@ -76,6 +76,18 @@ def test_recipe_is_deterministic(first_run, tmp_path):
     assert first_info["evaluation"] == second_info["evaluation"]
     other = tiny_run(tmp_path / "other", seed=1)  # the seed matters: another seed, other weights
     assert not torch.equal(weights[WEIGHTS[0]]["proj_out.weight"], other[WEIGHTS[0]]["proj_out.weight"])
+
+
+def test_timestep_mean_moves_the_training_times_only(first_run, tmp_path):
+    folder, weights = first_run
+    shifted = tiny_run(tmp_path / "shifted", extra=["--timestep-mean", "1.5"])
+    info = json.loads((tmp_path / "shifted" / "training_info.json").read_text())
+    assert info["transformer"]["timestep_density"] == "logit-normal(1.5, 1)"
+    assert json.loads((folder / "training_info.json").read_text())["transformer"]["timestep_density"] == \
+        "logit-normal(0, 1)"
+    vae = "vae/diffusion_pytorch_model.safetensors"  # the VAE stage does not see it; the transformer does
+    assert all(torch.equal(weights[vae][k], shifted[vae][k]) for k in weights[vae])
+    assert not torch.equal(weights[WEIGHTS[0]]["proj_out.weight"], shifted[WEIGHTS[0]]["proj_out.weight"])
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ Deterministic (fixed seeds, one thread, ``torch.use_deterministic_algorithms``).
 3. transformer and text encoders, jointly: an ``SD3Transformer2DModel`` (patch 2 -> 64 image tokens) and the
    pipeline's two CLIP text encoders with a word-level tokenizer built offline
    (:func:`~jagg_lightning.testbed.scenes.model.word_tokenizer`); rectified flow
-   ||v(z_t, t, c) - (eps - x)||^2, z_t = (1 - t) x + t eps, t ~ logit-normal(0, 1); AdamW with warm-up and cosine
+   ||v(z_t, t, c) - (eps - x)||^2, z_t = (1 - t) x + t eps, t ~ logit-normal(m, 1) (m = ``--timestep-mean``, 0 by
+   default; 1 puts the median t at 0.73, where the layout is decided); AdamW with warm-up and cosine
    decay; 10 % of captions dropped to "" (classifier-free guidance); an EMA of the weights is what is saved.
 4. evaluation through ``StableDiffusion3Pipeline.__call__`` (Euler ODE) on every held-out row and on train rows:
    GenEval's per-image correctness by :class:`~jagg_lightning.rewards.GenEvalReward` (reader ``scenes``), per task
@@ -146,7 +147,7 @@ def train_transformer(pipe, lat_mean, lat_std, prompts, args, log, on_eval=None)
         batch_prompts = ["" if drop[i] else prompts[int(j)] for i, j in enumerate(idx)]
         x = lat_mean[idx] + lat_std[idx] * torch.randn(lat_mean[idx].shape, generator=gen)
         eps = torch.randn(x.shape, generator=gen)
-        t = torch.sigmoid(torch.randn(args.dit_batch, generator=gen))
+        t = torch.sigmoid(torch.randn(args.dit_batch, generator=gen) + args.timestep_mean)
         loss = flow_loss(pipe, x, batch_prompts, t, eps)
         opt.zero_grad()
         loss.backward()
@@ -175,7 +176,8 @@ def train_transformer(pipe, lat_mean, lat_std, prompts, args, log, on_eval=None)
         m.eval().requires_grad_(False)
     tail = losses[-100:]
     return {"steps": steps, "batch_size": args.dit_batch, "lr": args.dit_lr, "warmup": warmup,
-            "ema_decay": args.ema_decay, "prompt_dropout": 0.1, "timestep_density": "logit-normal(0, 1)",
+            "ema_decay": args.ema_decay, "prompt_dropout": 0.1,
+            "timestep_density": f"logit-normal({args.timestep_mean:g}, 1)",
             "final_flow_loss": round(sum(tail) / len(tail), 4), "flow_loss_curve": curve}
 
 
@@ -200,6 +202,8 @@ def parse_args(argv=None):
     parser.add_argument("--dit-batch", type=int, default=64)
     parser.add_argument("--dit-lr", type=float, default=1e-3)
     parser.add_argument("--ema-decay", type=float, default=0.998)
+    parser.add_argument("--timestep-mean", type=float, default=0.0,
+                        help="mean of the logit-normal training times (0: SD3's; > 0 trains more at high noise)")
     parser.add_argument("--latent-channels", type=int, default=LATENT_CHANNELS)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--heads", type=int, default=4)
