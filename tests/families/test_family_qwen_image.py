@@ -185,13 +185,21 @@ def test_bad_resolution_names_the_field():
 
 
 # ------------------------------------------------------------------------------ the module and the exports
-def qwen_module(seed, jagg_frac=0.5, window_size=2, optimizer=None, grpo=None, **policy) -> JAGGModule:
+def mean_intensity(images, prompts):
+    """A continuous reward: the JPEG sizes of two 32 px samples can tie (seed 4153 ties both groups), and tied
+    groups have zero advantages, so no gradient to compare."""
+    return images.double().flatten(1).mean(1)
+
+
+def qwen_module(seed, jagg_frac=0.5, window_size=2, optimizer=None, grpo=None, reward="jpeg_compressibility",
+                **policy) -> JAGGModule:
     module = JAGGModule(
         qwen_config(**policy),
         SamplingConfig(num_steps=STEPS, group_size=2, noise_level=1.2, rollout_batch_size=4),
         GRPOConfig(**({"train_batch_size": 4} | (grpo or {}))),
         JAGGConfig(window_size=window_size, jagg_frac=jagg_frac),
         optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-2)),
+        reward=reward,
         seed=seed,
     )
     module.configure_model()
@@ -240,7 +248,7 @@ def test_update_equals_handwritten_per_step_grpo(jagg_frac, window_size, resolut
     windows (no interior step) is the plain SGD step on the hand-written per-step GRPO gradient (square and not)."""
     seed, lr = rng_seed % 10_000, 0.5
     module = qwen_module(seed, jagg_frac, window_size, lambda p: torch.optim.SGD(p, lr=lr), {"max_grad_norm": None},
-                         dtype="float64", resolution=resolution)
+                         reward=mean_intensity, dtype="float64", resolution=resolution)
     assert module.policy.guided  # the gradient runs through true CFG and its norm rescale
     reference = copy.deepcopy(module)
     before = [p.detach().clone() for p in module.policy.lora_parameters()]
