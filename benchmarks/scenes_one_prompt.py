@@ -56,11 +56,12 @@ def main(argv=None) -> list[dict]:
     images, _ = render_set(rows, args.scenes, args.seed)
     mean, std = encode(pipe.vae, images)
     shift, scale = pipe.vae.config.shift_factor, pipe.vae.config.scaling_factor
+    reward = GenEvalReward(reader="scenes")  # built once, read at every check
     start, checks = time.process_time(), []
 
     def on_eval(step):
         drawn = sample(pipe, rows, 16, 1.0, 10, args.seed + 3)
-        scores = judge(GenEvalReward(reader="scenes"), drawn, rows * 16)
+        scores = judge(reward, drawn, rows * 16)
         checks.append({"step": step, "right": scores["overall"], "cpu_s": round(time.process_time() - start)})
         print(checks[-1], flush=True)
         if args.grid:
