@@ -20,7 +20,7 @@ from jagg_lightning.policies.qwen_image import (
 )
 from jagg_lightning.training.rollout import sample_generators, sample_trajectories
 
-from helpers import exact_per_step_gradient, lora_grads, randomize_lora_b, rel_error
+from helpers import exact_per_step_gradient, lora_grads, mean_intensity, randomize_lora_b, rel_error
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["a red cat", "a small dog on green grass"]
@@ -185,12 +185,6 @@ def test_bad_resolution_names_the_field():
 
 
 # ------------------------------------------------------------------------------ the module and the exports
-def mean_intensity(images, prompts):
-    """A continuous reward: the JPEG sizes of two 32 px samples can tie (seed 4153 ties both groups), and tied
-    groups have zero advantages, so no gradient to compare."""
-    return images.double().flatten(1).mean(1)
-
-
 def qwen_module(seed, jagg_frac=0.5, window_size=2, optimizer=None, grpo=None, reward="jpeg_compressibility",
                 **policy) -> JAGGModule:
     module = JAGGModule(

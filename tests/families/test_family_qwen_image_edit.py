@@ -21,7 +21,7 @@ from jagg_lightning.policies.qwen_image import QWEN_IMAGE_LORA_TARGETS
 from jagg_lightning.policies.qwen_image_edit import QwenImageEditPolicy, build_tiny_qwen_image_edit_pipeline
 
 from family_cases import CONDITIONED_PROMPTS as PROMPTS, tiny_fit_args
-from helpers import exact_per_step_gradient, randomize_lora_b, rel_error
+from helpers import exact_per_step_gradient, mean_intensity, randomize_lora_b, rel_error
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5
@@ -168,12 +168,13 @@ def test_source_size_is_the_pipelines_at_its_own_area(resolution):
 
 
 # ------------------------------------------------------------------------------ the module and the exports
-def edit_module(seed, jagg_frac=0.5, window_size=2, optimizer=None, grpo=None, **policy) -> JAGGModule:
+def edit_module(seed, jagg_frac=0.5, window_size=2, optimizer=None, grpo=None, reward="jpeg_compressibility",
+                **policy) -> JAGGModule:
     module = JAGGModule(
         edit_config(**policy), SamplingConfig(num_steps=STEPS, group_size=2, noise_level=1.0, rollout_batch_size=4),
         GRPOConfig(**({"train_batch_size": 4} | (grpo or {}))),
         JAGGConfig(window_size=window_size, jagg_frac=jagg_frac),
-        optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-2)), seed=seed,
+        optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-2)), reward=reward, seed=seed,
     )
     module.configure_model()
     randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
@@ -204,7 +205,7 @@ def test_update_equals_handwritten_per_step_grpo(jagg_frac, window_size, resolut
     windows is the plain SGD step on the hand-written per-step GRPO gradient through the source-conditioned velocity."""
     seed, lr = rng_seed % 10_000, 0.5
     module = edit_module(seed, jagg_frac, window_size, lambda p: torch.optim.SGD(p, lr=lr), {"max_grad_norm": None},
-                         dtype="float64", resolution=resolution)
+                         reward=mean_intensity, dtype="float64", resolution=resolution)
     reference = copy.deepcopy(module)
     before = [p.detach().clone() for p in module.policy.lora_parameters()]
     fit(module)

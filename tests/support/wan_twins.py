@@ -25,16 +25,17 @@ def config(**kw):
 
 
 def module_for(twin, path, seed, dtype="float32", jagg_frac=0.5, window_size=2, num_steps=4, optimizer=None,
-               shape=None, make_config=None, **grpo):
+               shape=None, make_config=None, reward=None, **grpo):
     """``shape``: PolicyConfig overrides of the twin's size (``resolution``, ``num_frames``); ``make_config``: the
-    twins' PolicyConfig builder (default: this file's ``config``; the image-to-video twins pass theirs)."""
+    twins' PolicyConfig builder (default: this file's ``config``; the image-to-video twins pass theirs); ``reward``:
+    an image reward scored on 3 frames (default: JPEG compressibility at the run's precision)."""
     module = JAGGModule(
         (make_config or config)(pretrained=str(path), dtype=dtype, **(shape or {})),
         SamplingConfig(num_steps=num_steps, group_size=2, rollout_batch_size=4),
         GRPOConfig(**({"train_batch_size": 4, "skip_zero_advantage": False} | grpo)),
         JAGGConfig(window_size=window_size, jagg_frac=jagg_frac),
         optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-3)),
-        reward=FrameReward(float64_reward(dtype), frames=3),  # image rewards score videos through FrameReward
+        reward=FrameReward(reward or float64_reward(dtype), frames=3),  # image rewards score videos through FrameReward
         seed=seed,
     )
     module.configure_model()
