@@ -78,16 +78,18 @@ def test_recipe_is_deterministic(first_run, tmp_path):
     assert not torch.equal(weights[WEIGHTS[0]]["proj_out.weight"], other[WEIGHTS[0]]["proj_out.weight"])
 
 
-def test_timestep_mean_moves_the_training_times_only(first_run, tmp_path):
+@pytest.mark.parametrize("option,value,recorded,default", [
+    ("--timestep-mean", "1.5", ("timestep_density", "logit-normal(1.5, 1)"), "logit-normal(0, 1)"),
+    ("--lr-schedule", "constant", ("lr_schedule", "constant"), "cosine")], ids=["timestep_mean", "lr_schedule"])
+def test_transformer_options_move_the_transformer_only(first_run, tmp_path, option, value, recorded, default):
     folder, weights = first_run
-    shifted = tiny_run(tmp_path / "shifted", extra=["--timestep-mean", "1.5"])
-    info = json.loads((tmp_path / "shifted" / "training_info.json").read_text())
-    assert info["transformer"]["timestep_density"] == "logit-normal(1.5, 1)"
-    assert json.loads((folder / "training_info.json").read_text())["transformer"]["timestep_density"] == \
-        "logit-normal(0, 1)"
+    changed = tiny_run(tmp_path / "changed", extra=[option, value])
+    key, text = recorded
+    assert json.loads((tmp_path / "changed" / "training_info.json").read_text())["transformer"][key] == text
+    assert json.loads((folder / "training_info.json").read_text())["transformer"][key] == default
     vae = "vae/diffusion_pytorch_model.safetensors"  # the VAE stage does not see it; the transformer does
-    assert all(torch.equal(weights[vae][k], shifted[vae][k]) for k in weights[vae])
-    assert not torch.equal(weights[WEIGHTS[0]]["proj_out.weight"], shifted[WEIGHTS[0]]["proj_out.weight"])
+    assert all(torch.equal(weights[vae][k], changed[vae][k]) for k in weights[vae])
+    assert not torch.equal(weights[WEIGHTS[0]]["proj_out.weight"], changed[WEIGHTS[0]]["proj_out.weight"])
 
 
 @pytest.mark.slow
