@@ -8,7 +8,7 @@ steps both readers -- the reward's classifier (``val/digit_accuracy``) and the i
 (``val/judge_accuracy``) -- read the same fixed-noise ODE samples of the 30 HELD-OUT prompts (noise seed 1000 + seed).
 ``--config configs/scenes.yaml`` runs it on the scenes test bed (GenEval's overall score by the exact reader and by
 the scenes judge: ``benchmarks/heldout.py``).
-The recording is ``time_to_quality.py``'s (``Recorder``); the statistics, tables, the sweep's choice and the plot are
+The recording is ``time_to_quality.py``'s (``fit_recorded``); the statistics, tables, the sweep's choice and the plot
 ``league_report.py``'s.
 
 ``METHODS`` is the table: a name -> the overrides of the config's ``sampling`` / ``grpo`` / ``jagg`` sections (every
@@ -32,17 +32,15 @@ import importlib.util
 import itertools
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import lightning as L
 import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from league_report import choose, cost_model, plot, summarise, sweep_table, tables, tuned_table  # noqa: E402
-from time_to_quality import Recorder  # noqa: E402  (the shared machinery)
+from time_to_quality import fit_recorded  # noqa: E402  (the shared machinery)
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST_WINDOW = dict(trained_steps=None, ode_after_trained=False)
@@ -140,22 +138,7 @@ def run_config(base: dict, name: str, lr: float | None = None, group_size: int |
 
 
 def one_run(args, cfg: dict, label: str, name: str, seed: int, prompts, heldout) -> dict:
-    from jagg_lightning.data import PromptDataModule
-    from jagg_lightning.testbed.evaluate import module_from_config
-
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(cfg, f)
-    L.seed_everything(seed, verbose=False)
-    try:
-        module, _ = module_from_config(f.name, seed)
-    finally:
-        Path(f.name).unlink()
-    rec = Recorder(heldout, 1000 + seed, args.eval_every)
-    trainer = L.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[rec])
-    trainer.fit(module, PromptDataModule(prompts=prompts, batch_size=cfg["data"].get("batch_size", 16), seed=seed))
-    if rec.evals[-1]["step"] != trainer.global_step:
-        rec.evaluate(trainer, module)
+    rec = fit_recorded(cfg, seed, prompts, heldout, args.steps, args.eval_every)
     m = cfg["model"]
     return {"seed": seed, "setting": label, "method": name, "lr": m["optimizer"]["init_args"]["lr"],
             "group_size": m["sampling"]["group_size"], "overrides": {k: METHODS[name].get(k, {}) for k in

@@ -140,24 +140,33 @@ class Recorder(L.Callback):
             self.evaluate(trainer, module)
 
 
-def one_run(args, base_cfg: dict, name: str, seed: int, prompts, heldout) -> dict:
+def fit_recorded(cfg: dict, seed: int, prompts, heldout, steps: int, eval_every: int, **jagg) -> Recorder:
+    """One seeded run of the config ``cfg`` (``jagg`` overriding its jagg section) for ``steps`` optimizer steps,
+    recorded (held-out evaluations every ``eval_every`` steps and after the last); the study scripts' one run."""
     from jagg_lightning.data import PromptDataModule
     from jagg_lightning.testbed.evaluate import module_from_config
 
-    sampling, jagg = SETTINGS[name]
-    cfg = json.loads(json.dumps(base_cfg))
-    cfg["model"]["sampling"] = dict(cfg["model"]["sampling"], **sampling)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(cfg, f)
     L.seed_everything(seed, verbose=False)
-    module, _ = module_from_config(f.name, seed, **jagg)
-    Path(f.name).unlink()
-    rec = Recorder(heldout, 1000 + seed, args.eval_every)
-    trainer = L.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+    try:
+        module, _ = module_from_config(f.name, seed, **jagg)
+    finally:
+        Path(f.name).unlink()
+    rec = Recorder(heldout, 1000 + seed, eval_every)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[rec])
     trainer.fit(module, PromptDataModule(prompts=prompts, batch_size=cfg["data"].get("batch_size", 16), seed=seed))
     if rec.evals[-1]["step"] != trainer.global_step:
         rec.evaluate(trainer, module)
+    return rec
+
+
+def one_run(args, base_cfg: dict, name: str, seed: int, prompts, heldout) -> dict:
+    sampling, jagg = SETTINGS[name]
+    cfg = json.loads(json.dumps(base_cfg))
+    cfg["model"]["sampling"] = dict(cfg["model"]["sampling"], **sampling)
+    rec = fit_recorded(cfg, seed, prompts, heldout, args.steps, args.eval_every, **jagg)
     return {"seed": seed, "setting": name, "sampling": sampling, "jagg": jagg, "train_reward": rec.train_reward,
             "cpu": rec.cpu, "evals": rec.evals, "routed": rec.routed, "scores": rec.scores, "passes": rec.passes}
 
