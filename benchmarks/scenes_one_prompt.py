@@ -8,6 +8,8 @@ scenes pipeline folder (the recipe's ``--out``). Every ``--eval-every`` steps th
 A model that cannot draw one prompt will not draw 332; each knob of the recipe is cheapest to try here first.
 
     OMP_NUM_THREADS=1 python benchmarks/scenes_one_prompt.py PIPELINE_FOLDER --steps 1600   # about 15 CPU min
+    # larger objects, the recipe's other levers (docs/testbed.md: 7 of 16 squares at 1,600 steps ad hoc)
+    ... --timestep-mean 1 --lr-schedule constant --object-size 0.35 0.5
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ema-decay", type=float, default=0.998)
     p.add_argument("--timestep-mean", type=float, default=0.0)
+    p.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine", help="as the recipe's")
+    p.add_argument("--object-size", type=float, nargs=2, default=(0.18, 0.3), metavar=("MIN", "MAX"),
+                   help="the objects' sides, fractions of the image (the test bed's: 0.18 0.3)")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=24)
@@ -53,7 +58,9 @@ def main(argv=None) -> list[dict]:
     fresh = build_components(args.seed, caption_words(train_rows), args.layers, args.heads, args.head_dim,
                              pipe.text_encoder.config.hidden_size, pipe.vae.config.latent_channels)
     pipe.tokenizer, pipe.tokenizer_2, pipe.text_encoder, pipe.text_encoder_2, _, pipe.transformer = fresh
-    images, _ = render_set(rows, args.scenes, args.seed)
+    if not 0 < args.object_size[0] <= args.object_size[1] <= 0.9:
+        raise SystemExit(f"--object-size must satisfy 0 < MIN <= MAX <= 0.9, got {args.object_size}")
+    images, _ = render_set(rows, args.scenes, args.seed, tuple(args.object_size))
     mean, std = encode(pipe.vae, images)
     shift, scale = pipe.vae.config.shift_factor, pipe.vae.config.scaling_factor
     reward = GenEvalReward(reader="scenes")  # built once, read at every check
@@ -73,7 +80,7 @@ def main(argv=None) -> list[dict]:
 
     recipe_args = argparse.Namespace(seed=args.seed, dit_lr=args.lr, dit_steps=args.steps, dit_batch=args.batch,
                                      ema_decay=args.ema_decay, eval_every=args.eval_every,
-                                     timestep_mean=args.timestep_mean)
+                                     timestep_mean=args.timestep_mean, lr_schedule=args.lr_schedule)
     train_transformer(pipe, (mean - shift) * scale, std * scale, [args.prompt] * len(images), recipe_args, print,
                       on_eval)
     on_eval(args.steps)  # the stage ends with the EMA weights in place, in eval mode

@@ -132,3 +132,20 @@ def test_smaller_scenes_read_back_shapes_and_colours(rng_seed, side):
         found = reader.read(np.asarray(render(scene)))
         assert sorted((s, d.color) for s, ds in found.items() for d in ds) == \
             sorted((o.shape, o.color) for o in scene.objects)
+
+
+@pytest.mark.parametrize("object_size", [(0.18, 0.3), (0.35, 0.5)])
+def test_object_size_sets_the_sides_and_the_scene_still_reads_right(object_size, rng_seed):
+    """``scene_for``'s ``object_size`` (the one-prompt test's larger objects, docs/testbed.md): the sides are drawn
+    in the range, and the rows still render right by GenEval's rules."""
+    rows = [json.loads(line) for line in TRAIN_METADATA.read_text().splitlines()]
+    rng = np.random.default_rng(rng_seed)
+    low, high = object_size[0] * 64 - 0.5, object_size[1] * 64 + 0.5
+    singles = [r for r in rows if r["tag"] == "single_object"]
+    scenes = [scene_for(singles[i % len(singles)], rng, object_size=object_size) for i in range(12)]
+    assert all(low <= o.size <= high for s in scenes for o in s.objects)
+    assert len({o.size for s in scenes for o in s.objects}) > 1  # drawn, not fixed
+    chosen = [rows[i] for i in rng.choice(len(rows), 12, replace=False)]
+    images = as_batch([render(scene_for(r, rng, object_size=object_size)) for r in chosen])
+    prompts = [ConditionedPrompt(r["prompt"], (), "", r) for r in chosen]
+    assert GenEvalReward(score="geneval").correct(images, prompts).all()

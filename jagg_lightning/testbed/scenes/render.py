@@ -120,10 +120,12 @@ def place(wanted: list[tuple[str, str]], rng: np.random.Generator, side: int = 6
     raise RuntimeError(f"could not place {wanted} with relations {list(relations)} in {side} px")
 
 
-def scene_for(metadata: dict, rng: np.random.Generator, side: int = 64, texture: int = 6) -> Scene:
+def scene_for(metadata: dict, rng: np.random.Generator, side: int = 64, texture: int = 6,
+              object_size: tuple[float, float] = (0.18, 0.3)) -> Scene:
     """A scene that satisfies a GenEval metadata row exactly: each include clause's ``count`` objects of its class,
-    in its colour (else one drawn from the palette), in its relation to the first object of the target clause; the
-    background grey drawn in [96, 160], textured with probability 1/2."""
+    in its colour (else one drawn from the palette), sides drawn in ``object_size`` (fractions of ``side``; smaller
+    where they do not fit), in its relation to the first object of the target clause; the background grey drawn in
+    [96, 160], textured with probability 1/2."""
     wanted, first_of, relations = [], [], []
     for req in metadata["include"]:
         first_of.append(len(wanted))
@@ -136,6 +138,6 @@ def scene_for(metadata: dict, rng: np.random.Generator, side: int = 64, texture:
             target_count = metadata["include"][target]["count"]
             relations += [(first_of[i] + k, rel, first_of[target] + j)
                           for k in range(req["count"]) for j in range(target_count)]
-    objects = place(wanted, rng, side, relations)
+    objects = place(wanted, rng, side, relations, min_fraction=object_size[0], max_fraction=object_size[1])
     background = int(rng.integers(96, 161))
     return Scene(side, objects, background, texture if rng.random() < 0.5 else 0, int(rng.integers(2**31)))
