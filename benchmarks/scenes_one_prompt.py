@@ -26,7 +26,8 @@ def main(argv=None) -> list[dict]:
     from jagg_lightning.rewards.geneval import GenEvalReward
     from jagg_lightning.testbed.scenes.captions import TRAIN_METADATA
     from jagg_lightning.testbed.scenes.model import build_components, caption_words, encode, render_set
-    from jagg_lightning.testbed.scenes.train import judge, read_rows, sample, train_transformer
+    from jagg_lightning.testbed.scenes.render import OBJECT_SIZE
+    from jagg_lightning.testbed.scenes.train import LR_SCHEDULES, judge, read_rows, sample, train_transformer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("pipeline", help="a scenes pipeline folder: its VAE encodes the renders, its scheduler samples")
@@ -38,9 +39,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ema-decay", type=float, default=0.998)
     p.add_argument("--timestep-mean", type=float, default=0.0)
-    p.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine", help="as the recipe's")
-    p.add_argument("--object-size", type=float, nargs=2, default=(0.18, 0.3), metavar=("MIN", "MAX"),
-                   help="the objects' sides, fractions of the image (the test bed's: 0.18 0.3)")
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine", help="as the recipe's")
+    p.add_argument("--object-size", type=float, nargs=2, default=OBJECT_SIZE, metavar=("MIN", "MAX"),
+                   help=f"the objects' sides, fractions of the image (the test bed's: {OBJECT_SIZE})")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=24)

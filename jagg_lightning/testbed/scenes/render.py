@@ -92,8 +92,12 @@ def _holds(objects: list[SceneObject], relations: list[tuple[int, str, int]]) ->
                for a, rel, b in relations)
 
 
+OBJECT_SIZE = (0.18, 0.3)  # the test bed's objects' sides, fractions of the image
+
+
 def place(wanted: list[tuple[str, str]], rng: np.random.Generator, side: int = 64,
-          relations: list[tuple[int, str, int]] = (), min_fraction: float = 0.18, max_fraction: float = 0.3,
+          relations: list[tuple[int, str, int]] = (), min_fraction: float = OBJECT_SIZE[0],
+          max_fraction: float = OBJECT_SIZE[1],
           margin: int = 2, gap: int = 3) -> list[SceneObject]:
     """Objects of the given (shape, colour) with sizes and positions drawn from ``rng``: apart by ``gap`` pixels,
     ``margin`` off the border, and each relation (object a, "left of" | "right of" | "above" | "below", object b)
@@ -121,7 +125,7 @@ def place(wanted: list[tuple[str, str]], rng: np.random.Generator, side: int = 6
 
 
 def scene_for(metadata: dict, rng: np.random.Generator, side: int = 64, texture: int = 6,
-              object_size: tuple[float, float] = (0.18, 0.3)) -> Scene:
+              object_size: tuple[float, float] = OBJECT_SIZE) -> Scene:
     """A scene that satisfies a GenEval metadata row exactly: each include clause's ``count`` objects of its class,
     in its colour (else one drawn from the palette), sides drawn in ``object_size`` (fractions of ``side``; smaller
     where they do not fit), in its relation to the first object of the target clause; the background grey drawn in

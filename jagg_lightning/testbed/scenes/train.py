@@ -47,6 +47,7 @@ from jagg_lightning.testbed.scenes.model import (IMAGE_SIZE, LATENT_CHANNELS, MA
 from jagg_lightning.testbed.train import _EMA
 
 SCHEDULER_SHIFT = 3.0
+LR_SCHEDULES = ("cosine", "constant")  # after the warm-up: cosine decay to 0, or none
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -208,7 +209,7 @@ def parse_args(argv=None):
     parser.add_argument("--dit-steps", type=int, default=4500)
     parser.add_argument("--dit-batch", type=int, default=64)
     parser.add_argument("--dit-lr", type=float, default=1e-3)
-    parser.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
                         help="after the warm-up: cosine decay to 0, or the constant --dit-lr")
     parser.add_argument("--ema-decay", type=float, default=0.998)
     parser.add_argument("--timestep-mean", type=float, default=0.0,
