@@ -79,8 +79,8 @@ def test_recipe_is_deterministic(first_run, tmp_path):
 
 
 @pytest.mark.parametrize("option,value,recorded,default", [
-    ("--timestep-mean", "1.5", ("timestep_density", "logit-normal(1.5, 1)"), "logit-normal(0, 1)"),
-    ("--lr-schedule", "constant", ("lr_schedule", "constant"), "cosine")], ids=["timestep_mean", "lr_schedule"])
+    ("--timestep-mean", "0", ("timestep_density", "logit-normal(0, 1)"), "logit-normal(1, 1)"),
+    ("--lr-schedule", "cosine", ("lr_schedule", "cosine"), "constant")], ids=["timestep_mean", "lr_schedule"])
 def test_transformer_options_move_the_transformer_only(first_run, tmp_path, option, value, recorded, default):
     folder, weights = first_run
     changed = tiny_run(tmp_path / "changed", extra=[option, value])

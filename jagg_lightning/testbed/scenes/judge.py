@@ -153,14 +153,18 @@ def load_scene_judge(path: str | Path = SCENES_JUDGE_PATH) -> SceneJudge:
 
 # ------------------------------------------------------------------------------------------------ the fit
 
+READ_SIZES = (0.15, 0.5)  # the judge's training objects' sides: the test bed's, and smaller (models draw them)
+
+
 def random_scene(rng: np.random.Generator, side: int = SIDE):
     """1-4 objects of any shape and colour (every composition, held-out ones included), placed as the test bed
-    places them."""
+    places them, their sides anywhere in :data:`READ_SIZES` (wider than the test bed's, so the judge also reads
+    what a model draws too small)."""
     from jagg_lightning.testbed.scenes.render import Scene, place
 
     wanted = [(SHAPES[int(rng.integers(len(SHAPES)))], list(PALETTE)[int(rng.integers(len(PALETTE)))])
               for _ in range(int(rng.integers(1, 5)))]
-    objects = place(wanted, rng, side)
+    objects = place(wanted, rng, side, min_fraction=READ_SIZES[0], max_fraction=READ_SIZES[1])
     return Scene(side, objects, int(rng.integers(96, 161)), 6 if rng.random() < 0.5 else 0, int(rng.integers(2**31)))
 
 

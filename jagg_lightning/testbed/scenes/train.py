@@ -15,9 +15,9 @@ Deterministic (fixed seeds, one thread, ``torch.use_deterministic_algorithms``).
 3. transformer and text encoders, jointly: an ``SD3Transformer2DModel`` (patch 2 -> 64 image tokens) and the
    pipeline's two CLIP text encoders with a word-level tokenizer built offline
    (:func:`~jagg_lightning.testbed.scenes.model.word_tokenizer`); rectified flow
-   ||v(z_t, t, c) - (eps - x)||^2, z_t = (1 - t) x + t eps, t ~ logit-normal(m, 1) (m = ``--timestep-mean``, 0 by
-   default; 1 puts the median t at 0.73, where the layout is decided); AdamW with warm-up and cosine decay
-   (``--lr-schedule constant``: none after the warm-up); 10 % of captions dropped to "" (classifier-free guidance);
+   ||v(z_t, t, c) - (eps - x)||^2, z_t = (1 - t) x + t eps, t ~ logit-normal(m, 1) (m = ``--timestep-mean``, 1 by
+   default: the median t at 0.73, where the layout is decided; 0 is SD3's); AdamW with warm-up and then the
+   constant rate (``--lr-schedule cosine``: cosine decay to 0); 10 % of captions dropped to "" (classifier-free guidance);
    an EMA of the weights is what is saved.
 4. evaluation through ``StableDiffusion3Pipeline.__call__`` (Euler ODE) on every held-out row and on train rows:
    GenEval's per-image correctness by :class:`~jagg_lightning.rewards.GenEvalReward` (reader ``scenes``), per task
@@ -206,13 +206,13 @@ def parse_args(argv=None):
     parser.add_argument("--heldout-scenes-per-task", type=int, default=100)
     parser.add_argument("--vae-steps", type=int, default=2400)
     parser.add_argument("--vae-batch", type=int, default=16)
-    parser.add_argument("--dit-steps", type=int, default=4500)
+    parser.add_argument("--dit-steps", type=int, default=6000)
     parser.add_argument("--dit-batch", type=int, default=64)
     parser.add_argument("--dit-lr", type=float, default=1e-3)
-    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
                         help="after the warm-up: cosine decay to 0, or the constant --dit-lr")
     parser.add_argument("--ema-decay", type=float, default=0.998)
-    parser.add_argument("--timestep-mean", type=float, default=0.0,
+    parser.add_argument("--timestep-mean", type=float, default=1.0,
                         help="mean of the logit-normal training times (0: SD3's; > 0 trains more at high noise)")
     parser.add_argument("--latent-channels", type=int, default=LATENT_CHANNELS)
     parser.add_argument("--layers", type=int, default=6)
@@ -224,7 +224,7 @@ def parse_args(argv=None):
     parser.add_argument("--eval-samples", type=int, default=4, help="samples per evaluated row")
     parser.add_argument("--eval-train-per-task", type=int, default=20, help="train rows evaluated per task")
     parser.add_argument("--eval-heldout-per-task", type=int, default=0, help="held-out rows per task (0 = all)")
-    parser.add_argument("--eval-every", type=int, default=500, help="held-out curve every N steps (0 = none)")
+    parser.add_argument("--eval-every", type=int, default=1000, help="held-out curve every N steps (0 = none)")
     args = parser.parse_args(argv)
     for name in ("scenes_per_task", "heldout_scenes_per_task", "vae_steps", "vae_batch", "dit_steps", "dit_batch",
                  "latent_channels", "layers", "heads", "head_dim", "text_width", "eval_steps", "eval_samples",
