@@ -3,7 +3,7 @@
 A path in a config (``policy.pretrained``, ``policy.adapter``, ``data.prompts_file``, ...) is looked up, in order:
 
 1. a shipped name: ``digits`` (the digits test bed pipeline), ``digits_train`` / ``digits_heldout`` (its prompts),
-   ``scenes_train`` / ``scenes_heldout`` (the scenes test bed's GenEval metadata);
+   ``scenes`` (the scenes test bed pipeline), ``scenes_train`` / ``scenes_heldout`` (its GenEval metadata);
 2. the path itself (absolute, or relative to the working directory);
 3. relative to the directory that holds the ``jagg_lightning`` package (a repository checkout's root), so the
    shipped configs' ``jagg_lightning/testbed/digits_sd3`` and ``configs/prompts/digits.txt`` work from any
@@ -23,6 +23,7 @@ SHIPPED = {
     "digits": TESTBED_DIR / "digits_sd3",
     "digits_train": TESTBED_DIR / "prompts" / "digits_train.txt",
     "digits_heldout": TESTBED_DIR / "prompts" / "digits_heldout.txt",
+    "scenes": TESTBED_DIR / "scenes_sd3",
     "scenes_train": TESTBED_DIR / "scenes" / "train_metadata.jsonl",      # GenEval metadata JSONL (scenes test bed)
     "scenes_heldout": TESTBED_DIR / "scenes" / "heldout_metadata.jsonl",
 }
