@@ -11,6 +11,7 @@ import importlib.util
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,6 +93,25 @@ def test_time_to_quality_helpers():
     assert ttq.crossing([0, 10, 20], [0.5, 0.6, 0.8], 0.7) == pytest.approx(15.0)
     assert math.isnan(ttq.crossing([0, 10], [0.5, 0.6], 0.7))
     assert ttq.model_cost("W=4") / ttq.model_cost("exact") < 1
+
+
+def test_summary_when_exact_never_gains(rng_seed):
+    """A job where exact GRPO falls (the scenes test bed's first study) has no time to exact's gain: nan, not a
+    division by zero; the paired differences are still reported."""
+    rng = np.random.default_rng(rng_seed)
+    start = float(rng.uniform(0.2, 0.4))
+    accs = {name: [start] + sorted(start - rng.uniform(0.01, 0.1, 2), reverse=True) for name in ("exact", "W=5 fused")}
+
+    def run(setting, cpu_per_step):
+        evals = [{"step": 10 * i, "cpu": 10 * i * cpu_per_step, "accuracy": a, "reward": a, "judge_accuracy": a,
+                  "judge_agreement": 1.0} for i, a in enumerate(accs[setting])]
+        return {"seed": 0, "setting": setting, "cpu": [cpu_per_step * (i + 1) for i in range(20)], "evals": evals}
+
+    regime = {"config": "scenes.yaml", "num_steps": 10, "trained": 10}
+    row = ttq.summarise({"runs": [run("exact", 1.0), run("W=5 fused", 0.5)], "regime": regime})["table"]["W=5 fused"]
+    assert math.isnan(row["cpu_to_90_accuracy_vs_exact"]) and math.isnan(row["cpu_to_exact_accuracy"])
+    assert row["accuracy_minus_exact"][0] == pytest.approx(accs["W=5 fused"][-1] - accs["exact"][-1])
+    assert row["cpu_vs_exact"][0] == pytest.approx(0.5)
 
 
 def test_extended_time_to_quality_on_synthetic_runs():

@@ -5,7 +5,7 @@ Deterministic (fixed seeds, one thread, ``torch.use_deterministic_algorithms``).
 1. data: ``--scenes-per-task`` scenes of each GenEval task, drawn by
    :func:`~jagg_lightning.testbed.scenes.render.scene_for` from the TRAIN metadata rows (each task's rows in turn,
    one generator seeded with ``--seed``) and captioned with the row's prompt. A fixed set rather than fresh scenes
-   per batch: rendering is cheap (0.2 ms a scene) but encoding a batch through the VAE would cost about half a
+   per batch: rendering is cheap (about 3 ms a scene) but encoding a batch through the VAE would cost about half a
    transformer step; the set is encoded once, and each step still draws its latents from the VAE posterior, its
    noise and its times afresh. A second set from the HELD-OUT rows (another seed) measures the VAE and the
    held-out flow loss; it is never trained on.
