@@ -21,5 +21,5 @@ from jagg_lightning.utils.assets import SHIPPED
 PIPELINE_DIR = SHIPPED["scenes"]
 INFO_PATH = PIPELINE_DIR / "training_info.json"
 
-__all__ = ["HELDOUT_METADATA", "INFO_PATH", "PALETTE", "PIPELINE_DIR", "SHAPES", "Scene", "SceneObject", "TRAIN_METADATA", "all_metadata",
-           "is_heldout", "place", "render", "scene_for", "split_metadata"]
+__all__ = ["HELDOUT_METADATA", "INFO_PATH", "PALETTE", "PIPELINE_DIR", "SHAPES", "Scene", "SceneObject",
+           "TRAIN_METADATA", "all_metadata", "is_heldout", "place", "render", "scene_for", "split_metadata"]

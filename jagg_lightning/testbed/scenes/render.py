@@ -92,7 +92,8 @@ def _holds(objects: list[SceneObject], relations: list[tuple[int, str, int]]) ->
                for a, rel, b in relations)
 
 
-OBJECT_SIZE = (0.35, 0.5)  # the test bed's objects' sides, fractions of the image (smaller ones drew blobs; docs/testbed.md)
+# the test bed's objects' sides, fractions of the image (at 0.18-0.3 the model drew blobs: docs/testbed.md)
+OBJECT_SIZE = (0.35, 0.5)
 
 
 def place(wanted: list[tuple[str, str]], rng: np.random.Generator, side: int = 64,

@@ -17,8 +17,8 @@ Deterministic (fixed seeds, one thread, ``torch.use_deterministic_algorithms``).
    (:func:`~jagg_lightning.testbed.scenes.model.word_tokenizer`); rectified flow
    ||v(z_t, t, c) - (eps - x)||^2, z_t = (1 - t) x + t eps, t ~ logit-normal(m, 1) (m = ``--timestep-mean``, 1 by
    default: the median t at 0.73, where the layout is decided; 0 is SD3's); AdamW with warm-up and then the
-   constant rate (``--lr-schedule cosine``: cosine decay to 0); 10 % of captions dropped to "" (classifier-free guidance);
-   an EMA of the weights is what is saved.
+   constant rate (``--lr-schedule cosine``: cosine decay to 0); 10 % of captions dropped to "" (classifier-free
+   guidance); an EMA of the weights is what is saved.
 4. evaluation through ``StableDiffusion3Pipeline.__call__`` (Euler ODE) on every held-out row and on train rows:
    GenEval's per-image correctness by :class:`~jagg_lightning.rewards.GenEvalReward` (reader ``scenes``), per task
    and overall (the mean over tasks, as GenEval averages), with and without CFG.
