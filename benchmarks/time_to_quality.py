@@ -228,12 +228,6 @@ def crossing(xs, ys, target) -> float:
     return float("nan")
 
 
-def ratio(a: float, b: float) -> float:
-    """a / b, nan where b is 0 or nan: a time to a target that exact reaches at its start (it never gained) has no
-    ratio."""
-    return a / b if b and not math.isnan(b) else float("nan")
-
-
 def summary_curve(by: dict, seeds, name: str, key: str) -> list[float]:
     rs = [by[(s, name)] for s in seeds if (s, name) in by]
     return [sum(r["evals"][i][key] for r in rs) / len(rs) for i in range(min(len(r["evals"]) for r in rs))]
@@ -288,16 +282,18 @@ def summarise(result: dict) -> dict:
         cpu = [sum(r["evals"][i]["cpu"] for r in rs) / len(rs) for i in range(n)]
         for k in ("accuracy", "judge_accuracy"):
             curve = [sum(r["evals"][i][k] for r in rs) / len(rs) for i in range(n)]
-            # time to exact's final quality: defined only where exact gained (else any curve "reaches" it at once)
+            # times to exact's quality: defined only where exact gained (else any curve "reaches" it at once and
+            # exact's own time is 0)
+            nan = float("nan")
             gained = ex_gain[k] > 0
-            row[f"cpu_to_exact_{k}"] = crossing(cpu, curve, ex_final[k]) if gained else float("nan")
-            row[f"steps_to_exact_{k}"] = crossing(steps, curve, ex_final[k]) if gained else float("nan")
+            row[f"cpu_to_exact_{k}"] = crossing(cpu, curve, ex_final[k]) if gained else nan
+            row[f"steps_to_exact_{k}"] = crossing(steps, curve, ex_final[k]) if gained else nan
             row[f"cpu_to_exact_{k}_vs_exact_cpu"] = row[f"cpu_to_exact_{k}"] / ex_cpu
             # 90 % of exact's gain: defined even where the final accuracy itself is never reached
             ex_curve = summary_curve(by, own, "exact", k)
             target90 = ex_curve[0] + 0.9 * (ex_final[k] - ex_curve[0])
-            row[f"cpu_to_90_{k}_vs_exact"] = ratio(crossing(cpu, curve, target90),
-                                                  crossing(ex_cpu_curve, ex_curve, target90))
+            row[f"cpu_to_90_{k}_vs_exact"] = (crossing(cpu, curve, target90)
+                                              / crossing(ex_cpu_curve, ex_curve, target90)) if gained else nan
             row[f"curve_{k}"] = curve
         row["curve_steps"], row["curve_cpu"] = steps, cpu
         table[name] = row

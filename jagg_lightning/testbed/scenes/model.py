@@ -114,8 +114,8 @@ def build_components(seed: int, words: list[str], layers: int, heads: int, head_
 def render_set(rows: list[dict], per_task: int, seed: int,
                object_size: tuple[float, float] | None = None) -> tuple[torch.Tensor, list[dict]]:
     """``per_task`` scenes of each task in ``rows`` (its rows in turn), rendered by ``scene_for`` (objects' sides
-    drawn in ``object_size`` of the image; None: the test bed's ``render.OBJECT_SIZE``) from one generator seeded with ``seed``: (images [N, 3, 64, 64] in
-    [0, 1], the row of each), task-major."""
+    drawn in ``object_size`` of the image; None: the test bed's ``render.OBJECT_SIZE``) from one generator seeded
+    with ``seed``: (images [N, 3, 64, 64] in [0, 1], the row of each), task-major."""
     from jagg_lightning.testbed.scenes.render import OBJECT_SIZE, render, scene_for
 
     object_size = object_size or OBJECT_SIZE
