@@ -56,3 +56,21 @@ def heldout_for(config: dict, samples: int):
         return ScenesHeldOut(samples, config.get("data", {}).get("val_prompts_file") or "scenes_heldout")
     raise ValueError(f"model.reward: the studies evaluate the digits or the scenes test bed (reward 'digits' or "
                      f"'geneval'), got {reward!r}")
+
+
+def one_prompt(config: dict, prompts: list, text: str, samples: int, group_size: int | None):
+    """The one-prompt study (``time_to_quality.py --prompt``): ``config`` trains on the one training row whose
+    prompt is ``text`` (every step, ``group_size`` samples: rollout and train batch one group) and is evaluated
+    on that same row (``samples`` fixed-noise ODE samples). Returns (config, [row], evaluator)."""
+    rows = [p for p in prompts if str(p) == text]
+    if not rows:
+        raise ValueError(f"--prompt: not one of the {len(prompts)} training prompts of data.prompts_file, got {text!r}")
+    config = dict(config, data=dict(config.get("data", {}), batch_size=1))
+    group = group_size or config["model"]["sampling"]["group_size"]
+    config["model"] = dict(config["model"], sampling=dict(config["model"]["sampling"], group_size=group,
+                                                          rollout_batch_size=group),
+                           grpo=dict(config["model"].get("grpo", {}), train_batch_size=group))
+    evaluator = heldout_for(config, samples)
+    evaluator.prompts = rows[:1]
+    return config, rows[:1], evaluator
+

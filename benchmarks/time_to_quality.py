@@ -172,13 +172,16 @@ def one_run(args, base_cfg: dict, name: str, seed: int, prompts, heldout) -> dic
 
 
 def run(args) -> dict:
-    from heldout import heldout_for
+    from heldout import heldout_for, one_prompt
     from jagg_lightning.data import read_prompts
 
     torch.set_num_threads(1)
     base_cfg = yaml.safe_load(Path(args.config).read_text())
     prompts = read_prompts(base_cfg["data"]["prompts_file"])  # a shipped name or a path (jagg_lightning.utils.assets)
-    heldout = heldout_for(base_cfg, args.eval_samples)
+    if args.prompt:  # one row trained and evaluated (benchmarks/README.md, "one prompt")
+        base_cfg, prompts, heldout = one_prompt(base_cfg, prompts, args.prompt, args.eval_samples, args.group_size)
+    else:
+        heldout = heldout_for(base_cfg, args.eval_samples)
     out = Path(args.out) / args.name
     out.parent.mkdir(parents=True, exist_ok=True)
     result = json.loads(out.read_text()) if args.resume and out.exists() else {"runs": []}
@@ -402,8 +405,9 @@ def plot(result: dict, summary: dict, path: Path) -> None:
         for col in (0, 1):
             axes[row, col].axhline(summary["exact_final"][key], color="grey", ls=":", lw=1)
     axes[0, 0].legend(fontsize=8)
-    fig.suptitle(f"digits test bed, configs/{summary['regime']['config']}: exact GRPO vs JAGG, mean ± 95 % CI of seeds "
-                 f"{summary['seeds']}")
+    prompt = result.get("args", {}).get("prompt")  # the one-prompt study names its prompt
+    fig.suptitle(f"configs/{summary['regime']['config']}" + (f", one prompt: {prompt!r}" if prompt else "")
+                 + f"\nexact GRPO vs JAGG, mean ± 95 % CI of seeds {summary['seeds']}")
     fig.tight_layout()
     fig.savefig(path, dpi=70)
     plt.close(fig)
@@ -417,6 +421,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-samples", type=int, default=8, help="samples per held-out prompt (30 prompts)")
+    p.add_argument("--prompt", default=None, help="train on this one training prompt and evaluate on it")
+    p.add_argument("--group-size", type=int, default=None, help="with --prompt: samples per step (config's if unset)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--name", default="time_to_quality.json", help="the raw JSON's file name under --out (the summary "
                    "and plot are named after it)")

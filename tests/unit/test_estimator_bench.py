@@ -127,3 +127,29 @@ def test_extended_time_to_quality_on_synthetic_runs():
     assert out["per_seed_ratio"][0] == pytest.approx(25 * 0.4 / 20)  # the extension's own clock
     priced = ttq.extended_time_to_quality(main, ext)["W=4 fused"]["accuracy_priced"]
     assert priced["per_seed_ratio"][0] == pytest.approx(25 * 0.5 / 20)  # priced at the main run's CPU per step
+
+
+def test_one_prompt_study_trains_and_evaluates_the_one_row(rng_seed):
+    # time_to_quality.py --prompt: one training row, every step one group of it, evaluated on that row alone
+    import sys
+
+    import yaml
+
+    from jagg_lightning.data import read_prompts
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        heldout = _load("heldout")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    config = yaml.safe_load((ROOT / "configs" / "scenes.yaml").read_text())
+    rows = read_prompts(config["data"]["prompts_file"])
+    row = rows[np.random.default_rng(rng_seed).integers(len(rows))]
+    group = int(np.random.default_rng(rng_seed).integers(2, 33))
+    cfg, prompts, evaluator = heldout.one_prompt(config, rows, str(row), 3, group)
+    assert prompts == [row] and evaluator.prompts == [row] and evaluator.samples == 3
+    assert cfg["data"]["batch_size"] == 1 and cfg["model"]["sampling"]["group_size"] == group
+    assert cfg["model"]["sampling"]["rollout_batch_size"] == cfg["model"]["grpo"]["train_batch_size"] == group
+    assert config["data"]["batch_size"] == 16 and config["model"]["sampling"]["group_size"] == 8  # not mutated
+    with pytest.raises(ValueError, match="--prompt"):
+        heldout.one_prompt(config, rows, str(row) + " and a hat", 3, group)
