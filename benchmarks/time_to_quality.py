@@ -10,7 +10,8 @@ optimizer steps; seed-major, settings interleaved, so a stopped study has whole 
   fixed-noise ODE samples, noise seed 1000 + seed) read by the reward's classifier AND by the independent
   judge (``jagg_lightning.testbed.judge``), on the same images. With a scenes config (``--config
   configs/scenes.yaml``, reward ``geneval``) "accuracy" is GenEval's overall score of the 132 held-out rows by the
-  exact reader and "judge_accuracy" the scenes judge's (``benchmarks/heldout.py``).
+  exact reader and "judge_accuracy" the scenes judge's (``benchmarks/heldout.py``); ``--prompt`` trains on one
+  training row and evaluates on that row instead (``heldout.one_prompt``: the one-prompt study).
 
 Settings (``SETTINGS``): exact (jagg_frac 0), JAGG W = 4 unfused and fused (the one window of 4 trained
 steps routed), and 8 trained steps with W = 4 (two routed windows) next to exact on those 8 steps ("T=8 exact").
