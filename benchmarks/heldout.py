@@ -17,13 +17,13 @@ from __future__ import annotations
 
 
 class DigitsHeldOut:
-    def __init__(self, samples: int):
+    def __init__(self, samples: int, prompts: list | None = None):
         from jagg_lightning.rewards import DigitReward
         from jagg_lightning.testbed import HELDOUT_TEMPLATES, digit_prompts
         from jagg_lightning.testbed.judge import load_judge
 
         self.reward, self.judge, self.samples = DigitReward(), load_judge(), samples
-        self.prompts = digit_prompts(HELDOUT_TEMPLATES)
+        self.prompts = prompts if prompts is not None else digit_prompts(HELDOUT_TEMPLATES)
 
     def __call__(self, module, seed: int) -> dict:
         from jagg_lightning.testbed.evaluate import heldout_accuracy
@@ -32,13 +32,14 @@ class DigitsHeldOut:
 
 
 class ScenesHeldOut:
-    def __init__(self, samples: int, prompts_file: str = "scenes_heldout"):
+    def __init__(self, samples: int, prompts_file: str = "scenes_heldout", prompts: list | None = None):
         from jagg_lightning.data import read_prompts
         from jagg_lightning.rewards.geneval import GenEvalReward
         from jagg_lightning.testbed.scenes.judge import SceneJudgeReader, load_scene_judge
 
         self.reward, self.judge = GenEvalReward(reader="scenes"), SceneJudgeReader(load_scene_judge())
-        self.prompts, self.samples = read_prompts(prompts_file, "data.val_prompts_file"), samples
+        self.prompts = prompts if prompts is not None else read_prompts(prompts_file, "data.val_prompts_file")
+        self.samples = samples
 
     def __call__(self, module, seed: int) -> dict:
         from jagg_lightning.testbed.evaluate import heldout_geneval
@@ -46,14 +47,15 @@ class ScenesHeldOut:
         return heldout_geneval(module, self.reward, self.prompts, self.samples, seed=seed, judge_reader=self.judge)
 
 
-def heldout_for(config: dict, samples: int):
-    """The evaluator of the test bed ``config`` (a LightningCLI YAML as a dict) trains on."""
+def heldout_for(config: dict, samples: int, prompts: list | None = None):
+    """The evaluator of the test bed ``config`` (a LightningCLI YAML as a dict) trains on; ``prompts`` replace its
+    held-out prompts."""
     reward = config["model"].get("reward")
     name = reward if isinstance(reward, str) else (reward or {}).get("class_path", "")
     if name == "digits" or name.endswith("DigitReward"):
-        return DigitsHeldOut(samples)
+        return DigitsHeldOut(samples, prompts)
     if name == "geneval" or name.endswith("GenEvalReward"):
-        return ScenesHeldOut(samples, config.get("data", {}).get("val_prompts_file") or "scenes_heldout")
+        return ScenesHeldOut(samples, config.get("data", {}).get("val_prompts_file") or "scenes_heldout", prompts)
     raise ValueError(f"model.reward: the studies evaluate the digits or the scenes test bed (reward 'digits' or "
                      f"'geneval'), got {reward!r}")
 
@@ -70,7 +72,5 @@ def one_prompt(config: dict, prompts: list, text: str, samples: int, group_size:
     config["model"] = dict(config["model"], sampling=dict(config["model"]["sampling"], group_size=group,
                                                           rollout_batch_size=group),
                            grpo=dict(config["model"].get("grpo", {}), train_batch_size=group))
-    evaluator = heldout_for(config, samples)
-    evaluator.prompts = rows[:1]
-    return config, rows[:1], evaluator
+    return config, rows[:1], heldout_for(config, samples, rows[:1])
 

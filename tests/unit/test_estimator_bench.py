@@ -131,21 +131,15 @@ def test_extended_time_to_quality_on_synthetic_runs():
 
 def test_one_prompt_study_trains_and_evaluates_the_one_row(rng_seed):
     # time_to_quality.py --prompt: one training row, every step one group of it, evaluated on that row alone
-    import sys
-
     import yaml
 
     from jagg_lightning.data import read_prompts
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        heldout = _load("heldout")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    heldout = _load("heldout")
     config = yaml.safe_load((ROOT / "configs" / "scenes.yaml").read_text())
     rows = read_prompts(config["data"]["prompts_file"])
-    row = rows[np.random.default_rng(rng_seed).integers(len(rows))]
-    group = int(np.random.default_rng(rng_seed).integers(2, 33))
+    rng = np.random.default_rng(rng_seed)
+    row, group = rows[rng.integers(len(rows))], int(rng.integers(2, 33))
     cfg, prompts, evaluator = heldout.one_prompt(config, rows, str(row), 3, group)
     assert prompts == [row] and evaluator.prompts == [row] and evaluator.samples == 3
     assert cfg["data"]["batch_size"] == 1 and cfg["model"]["sampling"]["group_size"] == group
