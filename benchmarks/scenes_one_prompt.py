@@ -78,6 +78,7 @@ def main(argv=None) -> list[dict]:
 
             Image.fromarray(np.concatenate([np.concatenate(list(a[:8]), 1), np.concatenate(list(a[8:]), 1)], 0)) \
                 .save(f"{args.grid}_{step}.png")
+        return checks[-1]
 
     recipe_args = argparse.Namespace(seed=args.seed, dit_lr=args.lr, dit_steps=args.steps, dit_batch=args.batch,
                                      ema_decay=args.ema_decay, eval_every=args.eval_every,

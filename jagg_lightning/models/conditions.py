@@ -81,6 +81,17 @@ def evenly_per_task(items: list, per_task: int | None, tag_of=None) -> list:
         chosen |= {id(rows[int(i * step)]) for i in range(min(per_task, len(rows)))}
     return [item for item in items if id(item) in chosen]
 
+def repeated_per_task(items: list, min_images: int, tag_of=None) -> list:
+    """Each item repeated ceil(``min_images`` / its task's item count) times, in the list's order: every task then
+    has at least ``min_images`` entries (GenEval scores 80-100 prompts x 4 images a task; a task of few held-out
+    rows gets more samples of each). ``tag_of`` as in :func:`evenly_per_task`."""
+    tag_of = tag_of or (lambda p: metadata_of(p).get("tag", ""))
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[tag_of(item)] = counts.get(tag_of(item), 0) + 1
+    return [item for item in items for _ in range(-(-min_images // counts[tag_of(item)]))]
+
+
 def where(prompt) -> str:
     return getattr(prompt, "origin", "") or repr(str(prompt))
 

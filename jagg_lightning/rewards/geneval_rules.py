@@ -259,6 +259,22 @@ def task_scores(tags: list[str], correct: list[bool]) -> dict[str, float]:
     return scores
 
 
+def task_intervals(tags: list[str], correct: list[bool], z: float = 1.96) -> dict[str, float]:
+    """The half-width of each task's 95 % interval (Wilson's score interval, so a task scored 0 or 1 still gets
+    one) and of ``overall`` (the mean over tasks of independent proportions: sqrt(sum of the tasks' variances) / T,
+    each variance from its Wilson half-width)."""
+    per_task: dict[str, list[bool]] = {}
+    for tag, ok in zip(tags, correct):
+        per_task.setdefault(tag, []).append(bool(ok))
+    half = {}
+    for tag, v in per_task.items():
+        n, p = len(v), float(np.mean(v))
+        half[tag] = float(z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n))
+    if half:
+        half["overall"] = float(np.sqrt(sum(h * h for h in half.values())) / len(half))
+    return half
+
+
 def geneval_metrics(tags: list[str], correct: list[bool], stage: str = "val") -> dict[str, float]:
     """:func:`task_scores` under the logged names ``<stage>/geneval/<task>`` and ``<stage>/geneval/overall``."""
     return {f"{stage}/geneval/{name}": value for name, value in task_scores(tags, correct).items()}

@@ -6,7 +6,8 @@ import pytest
 
 from jagg_lightning.rewards.geneval_rules import (COUNTING_THRESHOLD, MAX_OBJECTS, POSITION_THRESHOLD, THRESHOLD,
                                                   Detection, Thresholds, compute_iou, evaluate, evaluate_reward,
-                                                  geneval_metrics, relative_position, select_detections, task_scores)
+                                                  geneval_metrics, relative_position, select_detections, task_intervals,
+                                                  task_scores)
 
 
 def det(x, y, w=10.0, h=10.0, score=1.0, color=None):
@@ -150,3 +151,20 @@ def test_overall_is_the_mean_over_tasks_not_over_images(rng_seed):
     colors = np.mean([c for t, c in zip(tags, correct) if t == "colors"])
     assert scores == pytest.approx({"counting": counting, "colors": colors, "overall": (counting + colors) / 2})
     assert geneval_metrics(tags, correct, "val")["val/geneval/overall"] == pytest.approx((counting + colors) / 2)
+
+
+def test_task_intervals_are_wilsons_half_widths(rng_seed):
+    """Each task's 95 % half-width: Wilson's, so near the normal approximation 1.96 sqrt(p(1 - p) / n) for a large
+    task, still positive for a task scored 0 or 1, shrinking as 1 / sqrt(n); overall's combines the tasks' as the
+    mean of independent proportions does."""
+    rng = np.random.default_rng(rng_seed)
+    n = int(rng.integers(4000, 6000))
+    correct = list(rng.random(n) < rng.uniform(0.2, 0.8))
+    p = float(np.mean(correct))
+    half = task_intervals(["colors"] * n, correct)
+    assert half["colors"] == pytest.approx(1.96 * np.sqrt(p * (1 - p) / n), rel=0.01)
+    small = int(rng.integers(8, 40))
+    zero = task_intervals(["counting"] * small, [False] * small)["counting"]
+    assert 0 < zero < task_intervals(["counting"] * (small // 4), [False] * (small // 4))["counting"]
+    both = task_intervals(["colors"] * n + ["counting"] * small, correct + [False] * small)
+    assert both["overall"] == pytest.approx(np.hypot(half["colors"], zero) / 2)

@@ -31,7 +31,8 @@ def test_per_task_scores_of_the_models_samples_are_logged(tmp_path, rng_seed):
     assert [step for step, _ in callback.history] == [0, 1]
     step, logged = callback.evaluations[-1]
     assert set(logged) == {f"val/geneval/{t}" for t in (*TASKS, "overall", "reward")} | {
-        f"val/judge_geneval/{t}" for t in (*TASKS, "overall", "agreement")}
+        f"val/judge_geneval/{t}" for t in (*TASKS, "overall", "agreement")} | {
+        f"val/geneval_ci95/{t}" for t in (*TASKS, "overall")}
     images = sample_images(module, callback.prompts, 1, rng_seed, 3)
     judged = GenEvalReward().judge_images(images, callback.prompts)
     expected = GenEvalReward.metrics(judged)
@@ -50,6 +51,22 @@ def test_per_task_scores_of_the_models_samples_are_logged(tmp_path, rng_seed):
          logged["val/geneval/reward"]))
     assert study["per_task"] == pytest.approx({t: logged[f"val/geneval/{t}"] for t in TASKS})
     assert "val/geneval/overall" in (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+
+
+def test_images_per_task_gives_every_task_that_many_images(rng_seed):
+    """images_per_task: each task of the held-out file gets at least that many images (its rows repeated evenly,
+    each repeat its own noise: a different position in the sampled list), and no task more rows than needed."""
+    wanted = int(np.random.default_rng(rng_seed).integers(20, 90))
+    callback = GenEvalAccuracy(images_per_task=wanted, samples_per_prompt=1)
+    rows = GenEvalAccuracy(samples_per_prompt=1).prompts
+    for task in TASKS:
+        mine = [p for p in rows if p.metadata["tag"] == task]
+        drawn = [p for p in callback.prompts if p.metadata["tag"] == task]
+        repeats = -(-wanted // len(mine))
+        assert len(drawn) == repeats * len(mine) >= wanted, (rng_seed, task)
+        assert [str(p) for p in drawn] == [str(p) for p in mine for _ in range(repeats)]
+    with pytest.raises(ValueError, match="GenEvalAccuracy.images_per_task must be >= 1"):
+        GenEvalAccuracy(images_per_task=0)
 
 
 def test_bad_arguments_are_refused():

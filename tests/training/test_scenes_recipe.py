@@ -17,7 +17,7 @@ from jagg_lightning.testbed.scenes.model import (IMAGE_SIZE, MAX_SEQUENCE_LENGTH
 from jagg_lightning.testbed.scenes.train import main
 
 TINY = ["--scenes-per-task", "6", "--heldout-scenes-per-task", "1", "--vae-steps", "2", "--vae-batch", "2",
-        "--dit-steps", "3", "--dit-batch", "4", "--layers", "2", "--eval-steps", "1", "--eval-samples", "1",
+        "--dit-steps", "3", "--dit-batch", "4", "--layers", "2", "--eval-steps", "1", "--eval-images-per-task", "2",
         "--eval-train-per-task", "1", "--eval-heldout-per-task", "1", "--eval-every", "2"]
 WEIGHTS = ("transformer/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors",
            "text_encoder/model.safetensors", "text_encoder_2/model.safetensors")
@@ -76,6 +76,57 @@ def test_recipe_is_deterministic(first_run, tmp_path):
     assert first_info["evaluation"] == second_info["evaluation"]
     other = tiny_run(tmp_path / "other", seed=1)  # the seed matters: another seed, other weights
     assert not torch.equal(weights[WEIGHTS[0]]["proj_out.weight"], other[WEIGHTS[0]]["proj_out.weight"])
+
+
+def test_a_run_in_two_sittings_equals_one(first_run, tmp_path):
+    """--stop-at ends a sitting with its checkpoint written; --resume continues it to the weights, loss curve,
+    held-out curve and evaluations of the uninterrupted run, bit for bit (same machine, same threads)."""
+    folder, weights = first_run
+    assert main(["--out", str(tmp_path / "run"), *TINY, "--stop-at", "2"]) is None
+    assert not (tmp_path / "run").exists() and (tmp_path / "run.sitting.pt").exists()
+    with pytest.raises(SystemExit, match="--dit-lr"):  # another run's arguments are refused, naming them
+        main(["--out", str(tmp_path / "run"), *TINY, "--resume", "--dit-lr", "0.5"])
+    resumed = tiny_run(tmp_path / "run", extra=["--resume"])
+    assert all(torch.equal(weights[name][k], resumed[name][k]) for name in WEIGHTS for k in weights[name])
+    first_info = json.loads((folder / "training_info.json").read_text())
+    info = json.loads((tmp_path / "run" / "training_info.json").read_text())
+    for key in ("flow_loss_curve", "heldout_curve_no_cfg", "final_flow_loss"):
+        assert info["transformer"][key] == first_info["transformer"][key], key
+    assert info["evaluation"] == first_info["evaluation"]
+    assert [s["to_step"] for s in info["transformer"]["sittings"]] == [2]
+    assert not (tmp_path / "run.sitting.pt").exists()  # a whole run leaves no checkpoint behind
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        main(["--out", str(tmp_path / "never"), *TINY, "--resume"])
+
+
+def test_grid_layout_places_one_object_a_cell_and_satisfies_every_row(rng_seed):
+    """The grid layout (the scenes model's): every object inside one cell of the 2 x 2 grid, no two in a cell,
+    GRID_INSET pixels off its cell's border, and the scene satisfies its row by GenEval's rules."""
+    import numpy as np
+
+    from jagg_lightning.rewards.geneval import GenEvalReward
+    from jagg_lightning.testbed.scenes.render import GRID, GRID_INSET, OBJECT_SIZES, render, scene_for
+    from jagg_lightning.testbed.scenes.train import as_prompts
+
+    rng = np.random.default_rng(rng_seed)
+    rows = all_metadata()
+    chosen = [rows[int(i)] for i in rng.choice(len(rows), 40, replace=False)]
+    scenes = [scene_for(row, rng, IMAGE_SIZE, object_size=OBJECT_SIZES["grid"], layout="grid") for row in chosen]
+    cell = IMAGE_SIZE / GRID
+    for scene in scenes:
+        cells = []
+        for obj in scene.objects:
+            x0, y0, x1, y1 = obj.box()
+            col, row = int(x0 // cell), int(y0 // cell)
+            assert x0 >= col * cell + GRID_INSET - 0.5 and x1 <= (col + 1) * cell - GRID_INSET + 0.5, (rng_seed, obj)
+            assert y0 >= row * cell + GRID_INSET - 0.5 and y1 <= (row + 1) * cell - GRID_INSET + 0.5, (rng_seed, obj)
+            cells.append((row, col))
+        assert len(set(cells)) == len(cells), rng_seed
+    images = torch.from_numpy(np.stack([np.asarray(render(s)) for s in scenes])).permute(0, 3, 1, 2).float() / 255
+    judged = GenEvalReward(reader="scenes").judge_images(images, as_prompts(chosen))
+    assert all(j.correct for j in judged), [(r["prompt"], j.reason) for r, j in zip(chosen, judged) if not j.correct]
+    with pytest.raises(ValueError, match="layout"):
+        scene_for(chosen[0], rng, layout="spiral")
 
 
 @pytest.mark.parametrize("option,value,recorded,default", [

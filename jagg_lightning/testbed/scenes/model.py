@@ -111,11 +111,11 @@ def build_components(seed: int, words: list[str], layers: int, heads: int, head_
     return tokenizer, tokenizer_2, text_encoder, text_encoder_2, vae, transformer
 
 
-def render_set(rows: list[dict], per_task: int, seed: int,
-               object_size: tuple[float, float] | None = None) -> tuple[torch.Tensor, list[dict]]:
+def render_set(rows: list[dict], per_task: int, seed: int, object_size: tuple[float, float] | None = None,
+               layout: str = "free") -> tuple[torch.Tensor, list[dict]]:
     """``per_task`` scenes of each task in ``rows`` (its rows in turn), rendered by ``scene_for`` (objects' sides
-    drawn in ``object_size`` of the image; None: the test bed's ``render.OBJECT_SIZE``) from one generator seeded
-    with ``seed``: (images [N, 3, 64, 64] in [0, 1], the row of each), task-major."""
+    drawn in ``object_size`` of the image; None: the test bed's ``render.OBJECT_SIZE``; placed by ``layout``) from
+    one generator seeded with ``seed``: (images [N, 3, 64, 64] in [0, 1], the row of each), task-major."""
     from jagg_lightning.testbed.scenes.render import OBJECT_SIZE, render, scene_for
 
     object_size = object_size or OBJECT_SIZE
@@ -128,7 +128,7 @@ def render_set(rows: list[dict], per_task: int, seed: int,
     for task_rows in by_task.values():
         for i in range(per_task):
             row = task_rows[i % len(task_rows)]
-            images.append(np.asarray(render(scene_for(row, rng, IMAGE_SIZE, object_size=object_size))))
+            images.append(np.asarray(render(scene_for(row, rng, IMAGE_SIZE, object_size=object_size, layout=layout))))
             which.append(row)
     pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 255
     return pixels, which

@@ -94,6 +94,12 @@ def _holds(objects: list[SceneObject], relations: list[tuple[int, str, int]]) ->
 
 # the test bed's objects' sides, fractions of the image (at 0.18-0.3 the model drew blobs: docs/testbed.md)
 OBJECT_SIZE = (0.35, 0.5)
+# where objects go: "free" (anywhere, apart) or "grid" (one object per cell of a GRID x GRID grid, jittered in it)
+LAYOUTS = ("free", "grid")
+LAYOUT = "free"  # the test bed's
+OBJECT_SIZES = {"free": OBJECT_SIZE, "grid": (0.34, 0.44)}  # a grid cell holds sides up to 28 px at 64 px
+GRID = 2
+GRID_INSET = 2  # pixels between a box and its cell's border: grid boxes are >= 4 px apart, >= 2 px off the image's
 
 
 def place(wanted: list[tuple[str, str]], rng: np.random.Generator, side: int = 64,
@@ -125,8 +131,35 @@ def place(wanted: list[tuple[str, str]], rng: np.random.Generator, side: int = 6
     raise RuntimeError(f"could not place {wanted} with relations {list(relations)} in {side} px")
 
 
+def place_grid(wanted: list[tuple[str, str]], rng: np.random.Generator, side: int = 64,
+               relations: list[tuple[int, str, int]] = (), min_fraction: float = OBJECT_SIZE[0],
+               max_fraction: float = OBJECT_SIZE[1]) -> list[SceneObject]:
+    """Objects of the given (shape, colour), one per cell of a ``GRID`` x ``GRID`` grid (cells drawn without
+    replacement), each side drawn in [``min_fraction``, ``max_fraction``] of the image and capped to its cell less
+    ``GRID_INSET`` on every side, its centre jittered uniformly inside the cell; each relation (as :func:`place`'s)
+    holding, by rejection over the cells and jitter. Fewer layouts than :func:`place`'s continuum, so a small model
+    commits to one from noise (docs/testbed.md, "The layout")."""
+    cell = side / GRID
+    if len(wanted) > GRID * GRID:
+        raise ValueError(f"place_grid: {len(wanted)} objects do not fit a {GRID} x {GRID} grid")
+    largest = cell - 2 * GRID_INSET
+    for _ in range(PLACEMENT_TRIES):
+        cells = rng.permutation(GRID * GRID)[:len(wanted)]
+        objects = []
+        for (shape, color), c in zip(wanted, cells):
+            size = float(min(largest, round(side * rng.uniform(min_fraction, max_fraction))))
+            row, col = divmod(int(c), GRID)
+            room = (largest - size) / 2  # how far the centre may move from the cell's centre
+            x = round(col * cell + cell / 2 + rng.uniform(-room, room))
+            y = round(row * cell + cell / 2 + rng.uniform(-room, room))
+            objects.append(SceneObject(shape, color, float(x), float(y), size))
+        if _holds(objects, list(relations)):
+            return objects
+    raise RuntimeError(f"could not place {wanted} with relations {list(relations)} on a {GRID} x {GRID} grid")
+
+
 def scene_for(metadata: dict, rng: np.random.Generator, side: int = 64, texture: int = 6,
-              object_size: tuple[float, float] = OBJECT_SIZE) -> Scene:
+              object_size: tuple[float, float] = OBJECT_SIZE, layout: str = "free") -> Scene:
     """A scene that satisfies a GenEval metadata row exactly: each include clause's ``count`` objects of its class,
     in its colour (else one drawn from the palette), sides drawn in ``object_size`` (fractions of ``side``; smaller
     where they do not fit), in its relation to the first object of the target clause; the background grey drawn in
@@ -143,6 +176,9 @@ def scene_for(metadata: dict, rng: np.random.Generator, side: int = 64, texture:
             target_count = metadata["include"][target]["count"]
             relations += [(first_of[i] + k, rel, first_of[target] + j)
                           for k in range(req["count"]) for j in range(target_count)]
-    objects = place(wanted, rng, side, relations, min_fraction=object_size[0], max_fraction=object_size[1])
+    if layout not in LAYOUTS:
+        raise ValueError(f"scene_for: layout must be one of {LAYOUTS}, got {layout!r}")
+    placer = place_grid if layout == "grid" else place
+    objects = placer(wanted, rng, side, relations, min_fraction=object_size[0], max_fraction=object_size[1])
     background = int(rng.integers(96, 161))
     return Scene(side, objects, background, texture if rng.random() < 0.5 else 0, int(rng.integers(2**31)))

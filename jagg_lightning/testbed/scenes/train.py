@@ -31,6 +31,7 @@ no CFG): the learning curve. Everything (seeds, steps, losses, curves, scores, t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -39,11 +40,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from jagg_lightning.models.conditions import evenly_per_task
+from jagg_lightning.models.conditions import evenly_per_task, repeated_per_task
 from jagg_lightning.testbed.scenes.captions import HELDOUT_METADATA, TRAIN_METADATA
 from jagg_lightning.testbed.scenes.model import (IMAGE_SIZE, LATENT_CHANNELS, MAX_SEQUENCE_LENGTH, build_components,
                                                  caption_words, decode, encode, parameter_counts, render_set,
                                                  train_vae, words_outside)
+from jagg_lightning.testbed.scenes.render import LAYOUT, LAYOUTS, OBJECT_SIZES
+from jagg_lightning.testbed.scenes.sittings import (load_sitting, restore_sitting, restore_vae, save_sitting,
+                                                    sitting_path)
 from jagg_lightning.testbed.train import _EMA
 
 SCHEDULER_SHIFT = 3.0
@@ -68,12 +72,15 @@ def as_prompts(rows: list[dict]) -> list:
 def judge(reward, images: torch.Tensor, rows: list[dict]) -> dict:
     """GenEval's per-task accuracy and overall score of ``images`` against ``rows`` (one row per image), and the
     mean of Flow-GRPO's dense score."""
-    from jagg_lightning.rewards.geneval_rules import task_scores
+    from jagg_lightning.rewards.geneval_rules import task_intervals, task_scores
 
     from collections import Counter
 
     judged = reward.judge_images(images, as_prompts(rows))
-    scores = {k: round(v, 4) for k, v in task_scores([j.tag for j in judged], [j.correct for j in judged]).items()}
+    tags, correct = [j.tag for j in judged], [j.correct for j in judged]
+    scores = {k: round(v, 4) for k, v in task_scores(tags, correct).items()}
+    scores["ci95"] = {k: round(v, 4) for k, v in task_intervals(tags, correct).items()}
+    scores["images_per_task"] = {tag: tags.count(tag) for tag in dict.fromkeys(tags)}
     scores["dense_reward"] = round(float(reward.scores_of(judged).mean()), 4)
     scores["images"] = len(judged)
     # why images fail: the rules' first reason, most common first
@@ -96,10 +103,13 @@ def sample(pipe, rows: list[dict], samples_per_row: int, guidance_scale: float, 
     return torch.stack(out, 1).flatten(0, 1)
 
 
-def evaluate(pipe, reward, rows, samples_per_row, guidance_scale, num_steps, seed) -> dict:
-    images = sample(pipe, rows, samples_per_row, guidance_scale, num_steps, seed)
-    result = judge(reward, images, [row for row in rows for _ in range(samples_per_row)])
-    result.update(guidance_scale=guidance_scale, num_steps=num_steps, samples_per_row=samples_per_row)
+def evaluate(pipe, reward, rows, images_per_task, guidance_scale, num_steps, seed) -> dict:
+    """GenEval on ``rows``, each task sampled to at least ``images_per_task`` images (a row of a task with few rows
+    is drawn several times, each with its own noise): every task's score rests on enough images to be compared."""
+    drawn = repeated_per_task(rows, images_per_task, by_tag)
+    images = sample(pipe, drawn, 1, guidance_scale, num_steps, seed)
+    result = judge(reward, images, drawn)
+    result.update(guidance_scale=guidance_scale, num_steps=num_steps, rows=len(rows))
     return result
 
 
@@ -130,7 +140,11 @@ def fixed_flow_loss(pipe, latents, prompts, seed: int, chunk: int = 256) -> floa
     return total / len(latents)
 
 
-def train_transformer(pipe, lat_mean, lat_std, prompts, args, log, on_eval=None) -> dict:
+def train_transformer(pipe, lat_mean, lat_std, prompts, args, log, on_eval=None, sitting=None, save=None) -> dict:
+    """The transformer stage (module docstring). ``on_eval(step)`` returns the held-out scores of the EMA weights
+    (the learning curve); ``sitting`` is a loaded checkpoint to continue from and ``save(step, parts, record)``
+    writes one (``--checkpoint-every``; :mod:`~jagg_lightning.testbed.scenes.sittings`). Returns the stage's
+    record, or None when ``--stop-at`` ended this sitting."""
     gen = torch.Generator().manual_seed(args.seed + 2)
     torch.manual_seed(args.seed + 2)
     modules = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
@@ -147,8 +161,15 @@ def train_transformer(pipe, lat_mean, lat_std, prompts, args, log, on_eval=None)
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * decay(s))
     ema = _EMA(modules, args.ema_decay)
-    losses, curve = [], []
-    for step in range(steps):
+    parts = dict(modules=modules, opt=opt, sched=sched, ema=ema, gen=gen)
+    record = {"losses": [], "curve": [], "heldout_curve": []}
+    first = 0
+    if sitting is not None:
+        first = restore_sitting(sitting, **parts)
+        record = sitting["record"]
+        log(f"transformer: continuing from step {first}")
+    losses, curve = record["losses"], record["curve"]
+    for step in range(first, steps):
         idx = torch.randint(0, len(prompts), (args.dit_batch,), generator=gen)
         drop = torch.rand(args.dit_batch, generator=gen) < 0.1
         batch_prompts = ["" if drop[i] else prompts[int(j)] for i, j in enumerate(idx)]
@@ -168,16 +189,14 @@ def train_transformer(pipe, lat_mean, lat_std, prompts, args, log, on_eval=None)
             curve.append({"step": step + 1, "flow_loss": round(sum(tail) / len(tail), 4)})
             log(f"transformer step {step + 1}: flow loss (last 100) {curve[-1]['flow_loss']:.4f}")
         if on_eval is not None and args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < steps:
-            live = [p.detach().clone() for p in ema.params]
-            ema.copy_to_params()
-            for m in modules:
-                m.eval()
-            on_eval(step + 1)
-            with torch.no_grad():
-                for p, saved in zip(ema.params, live):
-                    p.copy_(saved)
-            for m in modules:
-                m.train()
+            with ema_weights(ema, modules):
+                record["heldout_curve"].append({"step": step + 1, **on_eval(step + 1)})
+        if save is not None and step + 1 < steps and (
+                (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0) or step + 1 == args.stop_at):
+            save(step + 1, parts, record)
+            if step + 1 == args.stop_at:
+                log(f"transformer: stopped at step {step + 1} (--stop-at); continue with --resume")
+                return None
     ema.copy_to_params()
     for m in modules:
         m.eval().requires_grad_(False)
@@ -186,7 +205,25 @@ def train_transformer(pipe, lat_mean, lat_std, prompts, args, log, on_eval=None)
             "lr_schedule": args.lr_schedule,
             "ema_decay": args.ema_decay, "prompt_dropout": 0.1,
             "timestep_density": f"logit-normal({args.timestep_mean:g}, 1)",
-            "final_flow_loss": round(sum(tail) / len(tail), 4), "flow_loss_curve": curve}
+            "final_flow_loss": round(sum(tail) / len(tail), 4), "flow_loss_curve": curve,
+            "heldout_curve_no_cfg": record["heldout_curve"], "sittings": record.get("sittings", [])}
+
+
+@contextlib.contextmanager
+def ema_weights(ema, modules):
+    """The EMA weights in place, in eval mode, for the block; the live weights and train mode back after."""
+    live = [p.detach().clone() for p in ema.params]
+    ema.copy_to_params()
+    for m in modules:
+        m.eval()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, saved in zip(ema.params, live):
+                p.copy_(saved)
+        for m in modules:
+            m.train()
 
 
 def reader_check(vae, reward, images, rows) -> dict:
@@ -214,6 +251,12 @@ def parse_args(argv=None):
     parser.add_argument("--ema-decay", type=float, default=0.998)
     parser.add_argument("--timestep-mean", type=float, default=1.0,
                         help="mean of the logit-normal training times (0: SD3's; > 0 trains more at high noise)")
+    parser.add_argument("--layout", choices=LAYOUTS, default=LAYOUT,
+                        help="where objects go: anywhere (free) or one per cell of a 2 x 2 grid")
+    parser.add_argument("--object-size", type=float, nargs=2, default=None, metavar=("MIN", "MAX"),
+                        help="objects' sides, fractions of the image (default: the layout's, render.object_size)")
+    parser.add_argument("--vae-from", default=None,
+                        help="a scenes pipeline folder whose trained VAE is reused (the VAE stage is skipped)")
     parser.add_argument("--latent-channels", type=int, default=LATENT_CHANNELS)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--heads", type=int, default=4)
@@ -221,13 +264,25 @@ def parse_args(argv=None):
     parser.add_argument("--text-width", type=int, default=64)
     parser.add_argument("--eval-steps", type=int, default=10)
     parser.add_argument("--eval-guidance", type=float, default=2.0)
-    parser.add_argument("--eval-samples", type=int, default=4, help="samples per evaluated row")
+    parser.add_argument("--eval-images-per-task", type=int, default=64,
+                        help="images per task in every evaluation (rows of a task with few rows drawn more often)")
     parser.add_argument("--eval-train-per-task", type=int, default=20, help="train rows evaluated per task")
     parser.add_argument("--eval-heldout-per-task", type=int, default=0, help="held-out rows per task (0 = all)")
     parser.add_argument("--eval-every", type=int, default=1000, help="held-out curve every N steps (0 = none)")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="write OUT.sitting.pt every N transformer steps (0 = never): a long run in sittings")
+    parser.add_argument("--stop-at", type=int, default=0,
+                        help="end this sitting after this many transformer steps, checkpoint written (0 = run on)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from OUT.sitting.pt (the same arguments; bit-identical to one sitting)")
     args = parser.parse_args(argv)
+    for name in ("checkpoint_every", "stop_at"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.stop_at >= args.dit_steps:
+        parser.error(f"--stop-at must be below --dit-steps ({args.dit_steps}), got {args.stop_at}")
     for name in ("scenes_per_task", "heldout_scenes_per_task", "vae_steps", "vae_batch", "dit_steps", "dit_batch",
-                 "latent_channels", "layers", "heads", "head_dim", "text_width", "eval_steps", "eval_samples",
+                 "latent_channels", "layers", "heads", "head_dim", "text_width", "eval_steps", "eval_images_per_task",
                  "eval_train_per_task"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -261,14 +316,30 @@ def main(argv=None) -> dict:
     unknown = sorted({w for row in heldout_rows for w in words_outside(row["prompt"], words)})
     if unknown:
         raise ValueError(f"held-out prompts use words the train prompts never do: {unknown}")
-    images, image_rows = render_set(train_rows, args.scenes_per_task, args.seed)
-    held_images, held_rows = render_set(heldout_rows, args.heldout_scenes_per_task, args.seed + 1)
+    object_size = tuple(args.object_size or OBJECT_SIZES[args.layout])
+    images, image_rows = render_set(train_rows, args.scenes_per_task, args.seed, object_size, args.layout)
+    held_images, held_rows = render_set(heldout_rows, args.heldout_scenes_per_task, args.seed + 1, object_size,
+                                        args.layout)
     log(f"rendered {len(images)} train / {len(held_images)} held-out scenes")
     tok, tok2, te1, te2, vae, transformer = build_components(args.seed, words, args.layers, args.heads,
                                                              args.head_dim, args.text_width, args.latent_channels)
     reward = GenEvalReward(reader="scenes", score="flow_grpo")
-    vae_info = train_vae(vae, images, args.vae_steps, args.vae_batch, 2e-3, args.seed + 3, log)
-    vae_info["reader_check_heldout"] = reader_check(vae, reward, held_images, held_rows)
+    checkpoint = sitting_path(out)
+    sitting = load_sitting(checkpoint, args) if args.resume else None
+    if sitting is not None:  # a later sitting: the VAE the first one trained
+        restore_vae(vae, sitting)
+        vae_info = sitting["record"]["vae_info"]
+    elif args.vae_from:  # a probe's shortcut: the VAE of an earlier run, not trained again
+        from diffusers import AutoencoderKL
+
+        vae = AutoencoderKL.from_pretrained(Path(args.vae_from) / "vae")
+        vae.eval().requires_grad_(False)
+        vae_info = {"from": str(args.vae_from), "shift_factor": vae.config.shift_factor,
+                    "scaling_factor": vae.config.scaling_factor}
+    else:
+        vae_info = train_vae(vae, images, args.vae_steps, args.vae_batch, 2e-3, args.seed + 3, log)
+    if sitting is None:
+        vae_info["reader_check_heldout"] = reader_check(vae, reward, held_images, held_rows)
     log(f"vae: held-out ground truth judged correct {vae_info['reader_check_heldout']['rendered']['overall']:.3f} "
         f"as rendered, {vae_info['reader_check_heldout']['decoded']['overall']:.3f} decoded")
     mark("vae")
@@ -286,15 +357,25 @@ def main(argv=None) -> dict:
         text_encoder=te1, tokenizer=tok, text_encoder_2=te2, tokenizer_2=tok2, text_encoder_3=None, tokenizer_3=None)
     pipe.set_progress_bar_config(disable=True)
     mark("encode")
-    heldout_curve = []
 
     def on_eval(step):
-        scores = evaluate(pipe, reward, heldout_eval_rows, 1, 1.0, args.eval_steps, args.seed + 100)
-        heldout_curve.append({"step": step, **scores})
-        log(f"step {step}: held-out (1 sample a row, no CFG) {scores}")
+        scores = evaluate(pipe, reward, heldout_eval_rows, args.eval_images_per_task, 1.0, args.eval_steps,
+                          args.seed + 100)
+        log(f"step {step}: held-out (no CFG) {scores}")
+        return scores
 
-    dit_info = train_transformer(pipe, lat_mean, lat_std, prompts, args, log, on_eval)
-    dit_info["heldout_curve_no_cfg"] = heldout_curve
+    def save(step, parts, record):
+        record["vae_info"] = vae_info
+        record.setdefault("sittings", []).append(
+            {"to_step": step, "wall_s": round(time.time() - start, 1),
+             "cpu_s": round(time.process_time() - cpu_start, 1)})  # this sitting's, from its own start
+        save_sitting(checkpoint, args=args, step=step, vae=vae, record=record, **parts)
+        log(f"transformer: checkpoint at step {step} -> {checkpoint}")
+
+    dit_info = train_transformer(pipe, lat_mean, lat_std, prompts, args, log, on_eval, sitting,
+                                 save if args.checkpoint_every or args.stop_at else None)
+    if dit_info is None:  # --stop-at ended this sitting
+        return None
     dit_info["train_flow_loss_fixed"] = round(fixed_flow_loss(pipe, lat_mean[:600], prompts[:600], args.seed + 7), 4)
     dit_info["heldout_flow_loss_fixed"] = round(
         fixed_flow_loss(pipe, held_lat, [row["prompt"] for row in held_rows], args.seed + 7), 4)
@@ -307,7 +388,8 @@ def main(argv=None) -> dict:
     for name, rows in (("heldout", heldout_eval_rows), ("train", train_eval_rows)):
         for cfg in (args.eval_guidance, 1.0):
             key = f"{name}_cfg{cfg:g}"
-            evaluation[key] = evaluate(pipe, reward, rows, args.eval_samples, cfg, args.eval_steps, args.seed + 200)
+            evaluation[key] = evaluate(pipe, reward, rows, args.eval_images_per_task, cfg, args.eval_steps,
+                                       args.seed + 200)
             log(f"{key}: {evaluation[key]}")
     mark("evaluation")
 
@@ -316,18 +398,20 @@ def main(argv=None) -> dict:
         "arguments": {k: v for k, v in vars(args).items() if k != "out"},
         "data": {"train_metadata": TRAIN_METADATA.name, "heldout_metadata": HELDOUT_METADATA.name,
                  "train_scenes": len(images), "heldout_scenes": len(held_images), "render_seed": args.seed,
-                 "heldout_render_seed": args.seed + 1, "vocabulary": words},
+                 "heldout_render_seed": args.seed + 1, "vocabulary": words, "layout": args.layout,
+                 "object_size": list(object_size)},
         "image_size": IMAGE_SIZE, "max_sequence_length": MAX_SEQUENCE_LENGTH, "scheduler_shift": SCHEDULER_SHIFT,
         "parameters": parameter_counts(transformer=transformer, vae=vae, text_encoder=te1, text_encoder_2=te2),
         "vae": vae_info, "transformer": dit_info, "evaluation": evaluation, "timings": timings,
         "train_cpu_s": timings["transformer"]["cpu_s"], "total_cpu_s": round(time.process_time() - cpu_start, 1),
-        "total_wall_s": round(time.time() - start, 1),
+        "total_wall_s": round(time.time() - start, 1),  # this sitting's; dit_info["sittings"]: the earlier ones
         "versions": {"torch": torch.__version__, "diffusers": __import__("diffusers").__version__},
     }
     with atomic_directory(out) as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True)
         atomic_write(Path(tmp) / "training_info.json",
                      lambda path: Path(path).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8"))
+    checkpoint.unlink(missing_ok=True)  # the run is whole: its sitting checkpoint is no longer needed
     log(f"wrote {out}")
     return info
 
