@@ -69,12 +69,14 @@ def as_prompts(rows: list[dict]) -> list:
     return [ConditionedPrompt(row["prompt"], metadata=row) for row in rows]
 
 
-def judge(reward, images: torch.Tensor, rows: list[dict]) -> dict:
-    """GenEval's per-task accuracy and overall score of ``images`` against ``rows`` (one row per image), and the
-    mean of Flow-GRPO's dense score."""
-    from jagg_lightning.rewards.geneval_rules import task_intervals, task_scores
-
+def judge(reward, images: torch.Tensor, rows: list[dict], scene_judge=None) -> dict:
+    """GenEval's per-task accuracy, each task's 95 % half-width and overall score of ``images`` against ``rows`` (one
+    row per image), the mean of Flow-GRPO's dense score, the commonest failures and -- with ``scene_judge`` (a
+    :class:`~jagg_lightning.testbed.scenes.judge.SceneJudgeReader`) -- the independent judge's per-task scores and
+    its agreement with the reader (the share of images both call right or both wrong)."""
     from collections import Counter
+
+    from jagg_lightning.rewards.geneval_rules import task_intervals, task_scores
 
     judged = reward.judge_images(images, as_prompts(rows))
     tags, correct = [j.tag for j in judged], [j.correct for j in judged]
@@ -86,6 +88,12 @@ def judge(reward, images: torch.Tensor, rows: list[dict]) -> dict:
     # why images fail: the rules' first reason, most common first
     reasons = Counter(str(j.reason).splitlines()[0] if j.reason else "?" for j in judged if not j.correct)
     scores["failures"] = dict(reasons.most_common(4))
+    if scene_judge is not None:
+        from jagg_lightning.testbed.scenes.judge import judge_geneval
+
+        seen = judge_geneval(scene_judge, reward, images, as_prompts(rows))
+        scores["judge"] = {k: round(v, 4) for k, v in task_scores(tags, [j.correct for j in seen]).items()}
+        scores["judge_agreement"] = round(sum(a.correct == b.correct for a, b in zip(seen, judged)) / len(seen), 4)
     return scores
 
 
@@ -103,12 +111,12 @@ def sample(pipe, rows: list[dict], samples_per_row: int, guidance_scale: float, 
     return torch.stack(out, 1).flatten(0, 1)
 
 
-def evaluate(pipe, reward, rows, images_per_task, guidance_scale, num_steps, seed) -> dict:
+def evaluate(pipe, reward, rows, images_per_task, guidance_scale, num_steps, seed, scene_judge=None) -> dict:
     """GenEval on ``rows``, each task sampled to at least ``images_per_task`` images (a row of a task with few rows
     is drawn several times, each with its own noise): every task's score rests on enough images to be compared."""
     drawn = repeated_per_task(rows, images_per_task, by_tag)
     images = sample(pipe, drawn, 1, guidance_scale, num_steps, seed)
-    result = judge(reward, images, drawn)
+    result = judge(reward, images, drawn, scene_judge)
     result.update(guidance_scale=guidance_scale, num_steps=num_steps, rows=len(rows))
     return result
 
@@ -383,13 +391,16 @@ def main(argv=None) -> dict:
         f"held-out {dit_info['heldout_flow_loss_fixed']}")
     mark("transformer")
 
+    from jagg_lightning.testbed.scenes.judge import SceneJudgeReader, load_scene_judge
+
+    scene_judge = SceneJudgeReader(load_scene_judge())  # the shipped judge reads the final evaluation's images too
     evaluation = {}
     train_eval_rows = evenly_per_task(train_rows, args.eval_train_per_task, by_tag)
     for name, rows in (("heldout", heldout_eval_rows), ("train", train_eval_rows)):
         for cfg in (args.eval_guidance, 1.0):
             key = f"{name}_cfg{cfg:g}"
             evaluation[key] = evaluate(pipe, reward, rows, args.eval_images_per_task, cfg, args.eval_steps,
-                                       args.seed + 200)
+                                       args.seed + 200, scene_judge)
             log(f"{key}: {evaluation[key]}")
     mark("evaluation")
 
