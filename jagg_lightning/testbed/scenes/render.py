@@ -96,7 +96,7 @@ def _holds(objects: list[SceneObject], relations: list[tuple[int, str, int]]) ->
 OBJECT_SIZE = (0.35, 0.5)
 # where objects go: "free" (anywhere, apart) or "grid" (one object per cell of a GRID x GRID grid, jittered in it)
 LAYOUTS = ("free", "grid")
-LAYOUT = "free"  # the test bed's
+LAYOUT = "grid"  # the scenes model's (the recipe's default); scene_for's default stays "free"
 OBJECT_SIZES = {"free": OBJECT_SIZE, "grid": (0.34, 0.44)}  # a grid cell holds sides up to 28 px at 64 px
 GRID = 2
 GRID_INSET = 2  # pixels between a box and its cell's border: grid boxes are >= 4 px apart, >= 2 px off the image's
