@@ -25,18 +25,19 @@ from helpers import SEED_VARIABLE  # noqa: E402 (this folder is on the path from
 
 
 class SeedSweep:
-    """A pytest plugin: each collected test runs once per seed in ``seeds`` (until ``deadline``, a time.time())."""
+    """A pytest plugin: each collected test runs once per seed in ``seeds`` (for at most ``minutes`` per test)."""
 
-    def __init__(self, seeds, deadline=None):
-        self.seeds, self.deadline = list(seeds), deadline
+    def __init__(self, seeds, minutes=None):
+        self.seeds, self.minutes = list(seeds), minutes
         self.results = {}  # node id -> [(seed, "passed" / "failed" / "skipped", one line, seconds)]
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item, nextitem):
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         runs = self.results.setdefault(item.nodeid, [])
+        deadline = None if self.minutes is None else time.time() + 60 * self.minutes
         for i, seed in enumerate(self.seeds):
-            last = i == len(self.seeds) - 1 or (self.deadline is not None and time.time() > self.deadline)
+            last = i == len(self.seeds) - 1 or (deadline is not None and time.time() > deadline)
             os.environ[SEED_VARIABLE] = str(seed)
             start = time.perf_counter()
             # before another seed only the test's own fixtures are torn down (the module's stay); after the last
@@ -83,14 +84,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=200, help="how many fresh seeds (default 200)")
     parser.add_argument("--seed-list", type=int, nargs="+", help="these seeds instead of fresh ones")
-    parser.add_argument("--minutes", type=float, help="stop each test's seeds after this many minutes in all")
+    parser.add_argument("--minutes", type=float, help="stop a test's seeds after this many minutes (each test)")
     parser.add_argument("--json", type=Path, help="also write the results here (node id -> runs)")
     args, pytest_args = parser.parse_known_args(argv)
     if args.seeds < 1:
         parser.error(f"--seeds must be at least 1, got {args.seeds}")
     seeds = args.seed_list or fresh_seeds(args.seeds)
-    deadline = None if args.minutes is None else time.time() + 60 * args.minutes
-    sweep = SeedSweep(seeds, deadline)
+    sweep = SeedSweep(seeds, args.minutes)
     code = pytest.main(["-q", "-p", "no:cacheprovider", "-p", "no:warnings", *pytest_args], plugins=[sweep])
     os.environ.pop(SEED_VARIABLE, None)
     failed = 0
