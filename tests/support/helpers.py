@@ -13,14 +13,20 @@ from jagg_lightning.rewards import JpegCompressibility, Reward
 SEED_VARIABLE = "JAGG_TEST_SEED"
 
 
+DRAWN_SEEDS: list[int] = []  # every seed fresh_seed gave, in order: a failing test's report names its own (conftest)
+
+
 def fresh_seed(bits: int = 32) -> int:
     """A fresh random seed of ``bits`` bits, or ``JAGG_TEST_SEED``'s value (to replay one a failure printed)."""
     value = os.environ.get(SEED_VARIABLE)
     if value is None:
-        return int.from_bytes(os.urandom(bits // 8), "little")
-    if not value.isdigit():
+        seed = int.from_bytes(os.urandom(bits // 8), "little")
+    elif not value.isdigit():
         raise ValueError(f"{SEED_VARIABLE} must be a non-negative integer (a seed a failing test printed), got {value!r}")
-    return int(value) % (1 << bits)
+    else:
+        seed = int(value) % (1 << bits)
+    DRAWN_SEEDS.append(seed)
+    return seed
 
 
 TINY_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
