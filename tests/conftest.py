@@ -5,8 +5,9 @@ their shared builders are in ``support/``. Markers (setup.cfg): ``slow`` (more t
 ``subprocess`` (launches Python or ``jagg`` processes), ``distributed`` (several ranks). The developer loop is
 ``python -m pytest -m "not slow"``; the README's command runs everything.
 
-``rng_seed`` gives a fresh random seed per test; a failing test prints it, and ``JAGG_TEST_SEED=<seed>`` replays
-it (every test that takes ``rng_seed`` then gets that seed).
+``rng_seed`` gives a fresh random seed per test; a failing test prints it (or the seeds it drew from
+``helpers.fresh_seed``), and ``JAGG_TEST_SEED=<seed>`` replays it (every test that takes ``rng_seed`` then gets that
+seed). ``tests/support/seed_sweep.py`` runs chosen tests at many fresh seeds.
 """
 
 import os
@@ -23,7 +24,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
-from helpers import SEED_VARIABLE, fresh_seed  # noqa: E402 (tests/support is on the path from here on)
+from helpers import DRAWN_SEEDS, SEED_VARIABLE, fresh_seed  # noqa: E402 (tests/support is on the path from here on)
+
+FIRST_DRAWN = pytest.StashKey[int]()  # where in DRAWN_SEEDS a test's own seeds begin
 
 
 @pytest.fixture
@@ -35,12 +38,23 @@ def rng_seed(request):
     return seed
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[FIRST_DRAWN] = len(DRAWN_SEEDS)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
+    """A failure names the seeds the test drew (``rng_seed``'s, or ``fresh_seed``'s inside the test) and how to replay
+    them (a module's fixture seeds are named by the first test of the module)."""
     report = yield
-    seed = dict(item.user_properties).get("rng_seed")
+    seeds = list(dict.fromkeys(DRAWN_SEEDS[item.stash.get(FIRST_DRAWN, len(DRAWN_SEEDS)):]))
+    seed = dict(item.user_properties).get("rng_seed", seeds[0] if len(seeds) == 1 else None)
     if report.failed and seed is not None:
         report.sections.append(("replay", f"{SEED_VARIABLE}={seed} python -m pytest '{item.nodeid}'"))
+    elif report.failed and seeds:
+        report.sections.append(("replay", f"seeds drawn: {', '.join(map(str, seeds))}; {SEED_VARIABLE}=<seed> gives "
+                                          f"every draw that value: python -m pytest '{item.nodeid}'"))
     return report
 
 

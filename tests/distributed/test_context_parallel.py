@@ -28,18 +28,18 @@ pytestmark = [pytest.mark.distributed, pytest.mark.subprocess, pytest.mark.slow]
 
 ROOT = TESTS.parent
 DDP, FSDP2 = "jagg_lightning.strategies.DDPStrategy", "jagg_lightning.strategies.FSDP2Strategy"
-FLOAT64_JPEG = {"class_path": "helpers.Float64Jpeg"}
+FLOAT64_REWARD = {"class_path": "helpers.MeanIntensity"}  # continuous: JPEG sizes of tiny samples tie
 FAMILIES = {  # preset, the policy and the reward at twin scale in float64
     "wan": ("wan_tiny.yaml", {"dtype": "float64", "resolution": 32, "num_frames": 9},  # 3 x 2 x 2 = 12 tokens
-            {"class_path": "jagg_lightning.rewards.FrameReward", "init_args": {"reward": FLOAT64_JPEG, "frames": 3}}),
-    "flux": ("flux_tiny.yaml", {"dtype": "float64"}, FLOAT64_JPEG),  # 4 image + 8 text tokens
-    "flux2": ("flux2_tiny.yaml", {"dtype": "float64"}, FLOAT64_JPEG),
+            {"class_path": "jagg_lightning.rewards.FrameReward", "init_args": {"reward": FLOAT64_REWARD, "frames": 3}}),
+    "flux": ("flux_tiny.yaml", {"dtype": "float64"}, FLOAT64_REWARD),  # 4 image + 8 text tokens
+    "flux2": ("flux2_tiny.yaml", {"dtype": "float64"}, FLOAT64_REWARD),
     # image-to-video on the shipped edits: the first latent frame is the image's; 64 px: 3 x 2 x 2 = 12 tokens, the
     # per-token timesteps (0 on the image's frame) split with them
     "wan22_ti2v": ("wan22_ti2v_tiny.yaml", {"dtype": "float64", "resolution": 64, "num_frames": 9},
-                   {"class_path": "jagg_lightning.rewards.FrameReward", "init_args": {"reward": FLOAT64_JPEG, "frames": 3}}),
+                   {"class_path": "jagg_lightning.rewards.FrameReward", "init_args": {"reward": FLOAT64_REWARD, "frames": 3}}),
     # image editing: the source's tokens after the latent's (8 + 8 image tokens), split together with their ids
-    "flux_kontext": ("flux_kontext_tiny.yaml", {"dtype": "float64"}, FLOAT64_JPEG),
+    "flux_kontext": ("flux_kontext_tiny.yaml", {"dtype": "float64"}, FLOAT64_REWARD),
 }
 CONDITIONED = {"wan22_ti2v", "flux_kontext"}  # trained on configs/prompts/edits (prompt + source), the rest on PROMPTS
 # name -> (family, strategy, model overrides, with evaluation)

@@ -18,7 +18,7 @@ from jagg_lightning.method.grpo import group_advantages
 from jagg_lightning.policies import build_policy, detect_family
 
 from family_cases import CASES, PROMPTS, TRAINING_CASES, module_for, tiny_fit_args
-from helpers import exact_per_step_gradient, lora_grads, randomize_lora_b, rel_error
+from helpers import MeanIntensity, exact_per_step_gradient, lora_grads, nonzero_advantages, randomize_lora_b, rel_error
 
 ROOT = Path(__file__).resolve().parents[2]
 by_case = pytest.mark.parametrize("case", CASES, ids=str)
@@ -140,7 +140,7 @@ def test_bfloat16_weights_keep_the_sde_in_float32(case, twin_dirs, rng_seed):
     velocities) stay float32 through the module's rollout and update, close to the float32 model's."""
     seed = rng_seed % 10_000
     modules = [module_for(case, twin_dirs[case.name], seed, guidance=case.guidance[1], dtype=dtype,
-                          skip_zero_advantage=False) for dtype in ("float32", "bfloat16")]
+                          reward=MeanIntensity(), skip_zero_advantage=False) for dtype in ("float32", "bfloat16")]
     m32, m16 = modules
     assert m16.policy.transformer.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in m16.policy.lora_parameters())
@@ -154,6 +154,7 @@ def test_bfloat16_weights_keep_the_sde_in_float32(case, twin_dirs, rng_seed):
     assert 0 < float((v16 - v32).norm() / v32.norm()) < 0.15
     before = [p.detach().clone() for p in m16.policy.lora_parameters()]
     fit(m16, case.prompts)  # a float32 update of the float32 LoRA through the bf16 transformer
+    nonzero_advantages(m16.last_rollout.advantages, seed)  # (else AdamW's weight decay alone would move the LoRA)
     assert m16.first_update_ratio_deviation == 0.0  # bf16 forwards of the rollout's shapes: bit for bit too
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in m16.policy.lora_parameters())
     assert any(not torch.equal(p, b) for p, b in zip(m16.policy.lora_parameters(), before))
@@ -197,7 +198,7 @@ def test_update_equals_handwritten_per_step_grpo(case, twin_dirs, jagg_frac, win
     update = [p.detach() - b for p, b in zip(module.policy.lora_parameters(), before)]
 
     traj, cond, _, rewards, _ = reference.sampler.rollout_and_score(case.prompts, [0, 1], step=0, reward=reference.reward_fn)
-    adv = group_advantages(rewards.view(-1, 2)).flatten()
+    adv = nonzero_advantages(group_advantages(rewards.view(-1, 2)).flatten(), seed)
     grads = exact_per_step_gradient(reference.policy, traj, cond, adv, reference.trained_steps)
     expected = [-lr * g for g in grads]
     assert sum(float(u.abs().sum()) for u in expected) > 0

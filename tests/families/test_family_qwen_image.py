@@ -20,7 +20,7 @@ from jagg_lightning.policies.qwen_image import (
 )
 from jagg_lightning.training.rollout import sample_generators, sample_trajectories
 
-from helpers import exact_per_step_gradient, lora_grads, mean_intensity, randomize_lora_b, rel_error
+from helpers import MeanIntensity, exact_per_step_gradient, lora_grads, nonzero_advantages, randomize_lora_b, rel_error
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["a red cat", "a small dog on green grass"]
@@ -242,7 +242,7 @@ def test_update_equals_handwritten_per_step_grpo(jagg_frac, window_size, resolut
     windows (no interior step) is the plain SGD step on the hand-written per-step GRPO gradient (square and not)."""
     seed, lr = rng_seed % 10_000, 0.5
     module = qwen_module(seed, jagg_frac, window_size, lambda p: torch.optim.SGD(p, lr=lr), {"max_grad_norm": None},
-                         reward=mean_intensity, dtype="float64", resolution=resolution)
+                         reward=MeanIntensity(), dtype="float64", resolution=resolution)
     assert module.policy.guided  # the gradient runs through true CFG and its norm rescale
     reference = copy.deepcopy(module)
     before = [p.detach().clone() for p in module.policy.lora_parameters()]
@@ -251,7 +251,7 @@ def test_update_equals_handwritten_per_step_grpo(jagg_frac, window_size, resolut
     update = [p.detach() - b for p, b in zip(module.policy.lora_parameters(), before)]
 
     traj, cond, _, rewards, _ = reference.sampler.rollout_and_score(list(PROMPTS), [0, 1], step=0, reward=reference.reward_fn)
-    adv = group_advantages(rewards.view(-1, 2)).flatten()
+    adv = nonzero_advantages(group_advantages(rewards.view(-1, 2)).flatten(), seed)
     grads = exact_per_step_gradient(reference.policy, traj, cond, adv, reference.trained_steps, noise_level=1.2)
     names = [n for n, q in reference.policy.transformer.named_parameters() if q.requires_grad]
     for factor in ("lora_A", "lora_B"):  # both LoRA factors receive gradient

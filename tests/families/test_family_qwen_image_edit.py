@@ -21,7 +21,7 @@ from jagg_lightning.policies.qwen_image import QWEN_IMAGE_LORA_TARGETS
 from jagg_lightning.policies.qwen_image_edit import QwenImageEditPolicy, build_tiny_qwen_image_edit_pipeline
 
 from family_cases import CONDITIONED_PROMPTS as PROMPTS, tiny_fit_args
-from helpers import exact_per_step_gradient, mean_intensity, randomize_lora_b, rel_error
+from helpers import MeanIntensity, exact_per_step_gradient, nonzero_advantages, randomize_lora_b, rel_error
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5
@@ -205,7 +205,7 @@ def test_update_equals_handwritten_per_step_grpo(jagg_frac, window_size, resolut
     windows is the plain SGD step on the hand-written per-step GRPO gradient through the source-conditioned velocity."""
     seed, lr = rng_seed % 10_000, 0.5
     module = edit_module(seed, jagg_frac, window_size, lambda p: torch.optim.SGD(p, lr=lr), {"max_grad_norm": None},
-                         reward=mean_intensity, dtype="float64", resolution=resolution)
+                         reward=MeanIntensity(), dtype="float64", resolution=resolution)
     reference = copy.deepcopy(module)
     before = [p.detach().clone() for p in module.policy.lora_parameters()]
     fit(module)
@@ -216,7 +216,7 @@ def test_update_equals_handwritten_per_step_grpo(jagg_frac, window_size, resolut
                                                                     reward=reference.reward_fn)
     assert cond[-1].dtype == torch.float64 and cond[-1].shape[1] == reference.policy.source_grid[0] * \
         reference.policy.source_grid[1]  # the source's tokens ride in the condition, per sample
-    adv = group_advantages(rewards.view(-1, 2)).flatten()
+    adv = nonzero_advantages(group_advantages(rewards.view(-1, 2)).flatten(), seed)
     grads = exact_per_step_gradient(reference.policy, traj, cond, adv, reference.trained_steps, noise_level=1.0)
     assert sum(float(g.abs().sum()) for g in grads) > 0
     assert rel_error(update, [-lr * g for g in grads]) < 1e-10

@@ -24,7 +24,7 @@ from jagg_lightning.policies.wan import build_tiny_wan_pipeline
 from jagg_lightning.utils.checks import PolicyBuildError
 
 from wan_twins import WAN, full_module
-from helpers import exact_per_step_gradient, rel_error
+from helpers import exact_per_step_gradient, nonzero_advantages, rel_error
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["a red cat", "a blue dog"]
@@ -147,7 +147,7 @@ def test_full_ft_wan22_trains_both_experts_as_per_step_grpo(tmp_path, rng_seed):
     update = [p.detach() - b for p, b in zip(policy.lora_parameters(), before)]
 
     traj, cond, _, rewards, _ = reference.sampler.rollout_and_score(PROMPTS[:1], [0], step=0, reward=reference.reward_fn)
-    adv = group_advantages(rewards.view(-1, 2)).flatten()
+    adv = nonzero_advantages(group_advantages(rewards.view(-1, 2)).flatten(), seed)
     steps = reference.trained_steps
     assert set(reference.policy.expert_index(traj.times[steps])) == {0, 1}  # both experts have trained steps
     ref_v = reference.sampler.reference_velocities(traj, cond, steps)

@@ -24,7 +24,7 @@ from jagg_lightning.policies.wan_i2v import build_tiny_wan_i2v_pipeline
 from jagg_lightning.utils.batching import batch_slice
 
 from family_cases import tiny_fit_args
-from helpers import exact_per_step_gradient, randomize_lora_b, rel_error
+from helpers import exact_per_step_gradient, nonzero_advantages, randomize_lora_b, rel_error
 from wan_i2v_twins import PROMPTS, TWINS, build, config, module_for, pipeline_latents, save_tiny_clip
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,7 +169,7 @@ def test_update_equals_handwritten_per_step_grpo(twin, twin_dirs, jagg_frac, win
     assert full and all(w.routed == bool(jagg_frac) for w in full)
     update = [p.detach() - b for p, b in zip(module.policy.lora_parameters(), before)]
     traj, cond, _, rewards, _ = reference.sampler.rollout_and_score(PROMPTS, [0, 1], step=0, reward=reference.reward_fn)
-    adv = group_advantages(rewards.view(-1, 2)).flatten()
+    adv = nonzero_advantages(group_advantages(rewards.view(-1, 2)).flatten(), seed)
     expected = [-lr * g for g in exact_per_step_gradient(reference.policy, traj, cond, adv, reference.trained_steps)]
     assert sum(float(u.abs().sum()) for u in expected) > 0
     assert rel_error(update, expected) < 1e-10

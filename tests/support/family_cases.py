@@ -24,7 +24,7 @@ from jagg_lightning.policies.flux_kontext import build_tiny_flux_kontext_pipelin
 from jagg_lightning.policies.sd3 import build_tiny_sd3_pipeline
 from jagg_lightning.policies.z_image import build_tiny_z_image_pipeline
 
-from helpers import randomize_lora_b, tiny_policy_config
+from helpers import float64_reward, randomize_lora_b, tiny_policy_config
 
 
 @dataclass(frozen=True)
@@ -104,13 +104,15 @@ CONDITIONED_PROMPTS = [ConditionedPrompt(f"make it {color}", [image]) for color,
 
 
 def module_for(case, path, seed, guidance=None, dtype="float32", jagg_frac=0.5, window_size=2, optimizer=None,
-               resolution=None, **grpo):
+               resolution=None, reward=None, **grpo):
+    """``reward`` default: the tests' reward at the run's precision (``helpers.float64_reward``)."""
     policy = case.config(pretrained=str(path), dtype=dtype, resolution=resolution,
                          guidance_scale=case.guidance[0] if guidance is None else guidance)
     module = JAGGModule(
         policy, SamplingConfig(num_steps=4, group_size=2, rollout_batch_size=4),
         GRPOConfig(**({"train_batch_size": 4} | grpo)), JAGGConfig(window_size=window_size, jagg_frac=jagg_frac),
         optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-3)),
+        reward=float64_reward(dtype) if reward is None else reward,
         seed=seed,
     )
     module.configure_model()

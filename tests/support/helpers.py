@@ -8,19 +8,25 @@ import torch
 from jagg_lightning.method.grpo import StepRecord, step_loss
 from jagg_lightning.policies import PolicyConfig
 from jagg_lightning.policies.sd3 import SD3Policy
-from jagg_lightning.rewards import JpegCompressibility
+from jagg_lightning.rewards import JpegCompressibility, Reward
 
 SEED_VARIABLE = "JAGG_TEST_SEED"
+
+
+DRAWN_SEEDS: list[int] = []  # every seed fresh_seed gave, in order: a failing test's report names its own (conftest)
 
 
 def fresh_seed(bits: int = 32) -> int:
     """A fresh random seed of ``bits`` bits, or ``JAGG_TEST_SEED``'s value (to replay one a failure printed)."""
     value = os.environ.get(SEED_VARIABLE)
     if value is None:
-        return int.from_bytes(os.urandom(bits // 8), "little")
-    if not value.isdigit():
+        seed = int.from_bytes(os.urandom(bits // 8), "little")
+    elif not value.isdigit():
         raise ValueError(f"{SEED_VARIABLE} must be a non-negative integer (a seed a failing test printed), got {value!r}")
-    return int(value) % (1 << bits)
+    else:
+        seed = int(value) % (1 << bits)
+    DRAWN_SEEDS.append(seed)
+    return seed
 
 
 TINY_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
@@ -53,8 +59,11 @@ def sgd(params):
 
 
 def rel_error(a, b):
+    """||a - b|| / ||b|| over lists of tensors. A zero reference fails here, naming why: a comparison with nothing
+    (tied rewards give zero advantages, hence no gradient) would otherwise be 0 / 0."""
     num = sum(((x - y) ** 2).sum() for x, y in zip(a, b)) ** 0.5
     den = sum((y**2).sum() for y in b) ** 0.5
+    assert float(den) > 0, "the reference is zero: nothing to compare (tied rewards give zero advantages?)"
     return float(num / den)
 
 
@@ -89,27 +98,30 @@ def counted_velocity(policy):
         del policy.velocity
 
 
-class Float64Jpeg(JpegCompressibility):
-    """JPEG compressibility scored in float64. The advantages take the rewards' dtype (``grpo.group_advantages``), and
-    float32 group statistics round by the shape of the reward tensor (about 1 group in 1000 differs by an ulp between
-    a [1, K] and a [2, K] batch: one micro-batch against two, one process against two): a float64 test that compares
-    two layouts of the same run scores in float64, so the runs agree at float64 precision."""
+class MeanIntensity(Reward):
+    """A continuous reward: the mean pixel of each image. Where the reward is not the subject (gradient and update
+    comparisons) tests score with it: the JPEG sizes of two tiny samples can tie (seed 4153 tied both groups of the
+    Qwen-Image check), a tied group has zero advantages, and with every group tied there is no gradient to compare.
+    Two samples tie only if their mean pixels are equal in float32."""
 
-    name = "jpeg_compressibility_float64"
+    name = "mean_intensity"
 
     def score(self, images, prompts):
-        return super().score(images, prompts).double()
+        return images.double().flatten(1).mean(1)
 
 
-def mean_intensity(images, prompts):
-    """A continuous reward for the hand-written per-step checks: the JPEG sizes of two tiny samples can tie (seed
-    4153 tied both groups of the Qwen-Image check), and a tied group has zero advantages: no gradient to compare."""
-    return images.double().flatten(1).mean(1)
+def nonzero_advantages(advantages, seed):
+    """``advantages``, after failing (naming the seed that replays it) if every one is zero: each group's rewards
+    tie, the update is zero and a comparison of updates or gradients would compare nothing."""
+    assert bool(advantages.ne(0).any()), (f"{SEED_VARIABLE}={seed}: every advantage is zero (each group's rewards "
+                                          "tie): no gradient to compare")
+    return advantages
 
 
-def float64_reward(dtype) -> Float64Jpeg | str:
-    """The JPEG reward at the test's precision: float64 for a float64 run, else the registered one."""
-    return Float64Jpeg() if dtype in ("float64", torch.float64) else "jpeg_compressibility"
+def float64_reward(dtype) -> Reward | str:
+    """The tests' reward at the test's precision: the continuous :class:`MeanIntensity` for a float64 run (whose
+    comparisons need non-zero advantages at every seed), else the registered JPEG compressibility."""
+    return MeanIntensity() if dtype in ("float64", torch.float64) else "jpeg_compressibility"
 
 
 class SlowJpeg(JpegCompressibility):

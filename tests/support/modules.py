@@ -12,7 +12,8 @@ PROMPTS = ["a red cat", "a blue dog", "a green tree", "a yellow sun"]
 
 
 def make_module(seed, dtype="float32", jagg_frac=0.5, lr=1e-3, optimizer=None, rollout_batch_size=4, jagg=None,
-                ema_decay=None, resolution=None, **grpo):
+                ema_decay=None, resolution=None, reward=None, **grpo):
+    """``reward`` default: the tests' reward at the run's precision (``helpers.float64_reward``)."""
     policy = tiny_policy_config(dtype=dtype, resolution=resolution)
     module = JAGGModule(
         policy,
@@ -21,7 +22,7 @@ def make_module(seed, dtype="float32", jagg_frac=0.5, lr=1e-3, optimizer=None, r
         JAGGConfig(**({"window_size": 3, "jagg_frac": jagg_frac} | (jagg or {}))),
         optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=lr)),
         ema_decay=ema_decay,
-        reward=float64_reward(dtype),
+        reward=float64_reward(dtype) if reward is None else reward,
         seed=seed,
     )
     module.configure_model()

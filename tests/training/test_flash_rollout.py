@@ -12,8 +12,8 @@ from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.method.grpo import group_advantages
 
 from helpers import (
-    counted_velocity, exact_per_step_gradient, float64_reward, lora_grads, randomize_lora_b, rel_error,
-    tiny_policy_config,
+    counted_velocity, exact_per_step_gradient, float64_reward, lora_grads, nonzero_advantages, randomize_lora_b,
+    rel_error, tiny_policy_config,
 )
 from modules import PROMPTS, fit
 
@@ -100,7 +100,7 @@ def test_training_on_the_flash_tail_is_exact_grpo_on_its_trajectory(rng_seed):
     traj, cond, _, rewards, _ = reference.sampler.rollout_and_score(PROMPTS[:2], [0, 1], 0, reference.plan.step_kinds,
                                                                     reward=reference.reward_fn)
     assert torch.equal(traj.latents, module.last_rollout.trajectory.latents)
-    advantages = group_advantages(rewards.view(-1, K), "group").flatten()
+    advantages = nonzero_advantages(group_advantages(rewards.view(-1, K), "group").flatten(), seed)
     expected = [-g for g in exact_per_step_gradient(reference.policy, traj, cond, advantages, list(range(T)))]
     assert sum(float(g.abs().sum()) for g in expected) > 0 and rel_error(update, expected) < 1e-10
     # the rollout's velocity calls: (T + 2) per micro-batch of 3, then the update's T per training micro-batch

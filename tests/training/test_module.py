@@ -14,7 +14,7 @@ from jagg_lightning.data import PromptDataModule
 from jagg_lightning.method.grpo import group_advantages
 from jagg_lightning.policies.sd3 import SD3Policy, build_tiny_sd3_pipeline
 
-from helpers import exact_per_step_gradient, randomize_lora_b, rel_error, tiny_policy_config
+from helpers import exact_per_step_gradient, nonzero_advantages, randomize_lora_b, rel_error, tiny_policy_config
 from in_process import jagg_in_process
 from modules import PROMPTS, fit, make_module
 
@@ -54,7 +54,7 @@ def test_frac0_step_equals_handwritten_grpo(kl_beta, rng_seed):
 
     # the same rollout by hand, then one forward + backward per trained step and a plain SGD step
     traj, cond, _, rewards, _ = reference.sampler.rollout_and_score(PROMPTS[:2], [0, 1], step=0, reward=reference.reward_fn)
-    adv = group_advantages(rewards.view(-1, 3)).flatten()
+    adv = nonzero_advantages(group_advantages(rewards.view(-1, 3)).flatten(), seed)
     ref_v = None
     if kl_beta:
         with torch.no_grad(), reference.policy.adapter_disabled():

@@ -15,6 +15,7 @@ from jagg_lightning.data import PromptDataModule
 from jagg_lightning.faults.nonfinite import NonFiniteError
 
 from faults import PoisonedReward, StepCounter, poison_advantages, poison_gradient, poison_log_probs, poison_rollout
+from helpers import MeanIntensity
 from modules import make_module
 
 PROMPTS = ["a red cat", "a blue dog", "a green tree", "a yellow sun", "a white boat", "a black car",
@@ -54,8 +55,10 @@ def same(a, b) -> bool:
 
 def module_for(seed, fused=False, **grpo):
     fused_settings = {"adv_std": "group"} if fused else {}  # a global std needs the whole rollout (check_fused)
+    # a continuous reward: the loss case poisons each group's lowest-reward sample, which a tied group (JPEG sizes of
+    # tiny images can tie) would skip with its zero advantage, so the poison would never reach a loss
     module = make_module(seed, rollout_batch_size=3, ema_decay=0.9, jagg={"fused_rollout": True} if fused else None,
-                         **(fused_settings | grpo))
+                         reward=MeanIntensity(), **(fused_settings | grpo))
     module.lr_scheduler_factory = lambda optimizer: torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.5)
     return module
 
@@ -70,7 +73,7 @@ def inject(module, stage, faults, value, rng):
         poison_advantages(module, faults, value)
     elif stage == "loss":  # -inf old log-prob: ratio inf, so the loss of a negative-advantage sample is +inf
         # the group's lowest reward: a sample whose advantage is exactly 0 gets no pass (skip_zero_advantage), so a
-        # NaN there never reaches a loss (a JPEG reward of 1e-3 steps can equal its group's mean)
+        # NaN there never reaches a loss (a reward can equal its group's mean)
         return poison_log_probs(module, faults, NAN if value != value else -INF, negative_advantage=True)
     else:
         poison_gradient(module, set(faults), value)
