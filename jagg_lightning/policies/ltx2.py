@@ -180,6 +180,10 @@ class LTX2Policy(Policy):
                              f"audio tokens {audio_width} (transformer audio_in_channels {cfg.audio_in_channels}); this "
                              "family stacks both streams into one latent and needs them equal, as LTX-2's 128 and 128")
 
+    def frozen_modules(self) -> list[nn.Module]:
+        """The base's (transformer, video VAE, Gemma-3 and the connectors) and the sound's decoders."""
+        return [*super().frozen_modules(), self.audio_vae, self.vocoder]
+
     # ------------------------------------------------------------------ shapes and schedule
     @property
     def latent_shape(self) -> tuple[int, int]:
