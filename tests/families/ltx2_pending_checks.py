@@ -1,9 +1,11 @@
 """LTX-2 checks written for tests/families/test_family_ltx2.py that have NOT run yet: the session that wrote them had
 no CPU to spare (a long training run held both cores). Not collected (the name does not start with ``test_``): run it
 by name (``python -m pytest tests/families/ltx2_pending_checks.py``), fix what fails, then move the tests into
-test_family_ltx2.py. Its one run so far failed at ``test_update_equals_handwritten_per_step_grpo[exact_grpo]``
-(float64, jagg_frac 0, W = 3: the update against the hand-written per-step GRPO step) with an error message that was
-not kept: the first thing to look at.
+test_family_ltx2.py. Its one run so far: ``test_update_equals_handwritten_per_step_grpo[exact_grpo]`` (float64,
+jagg_frac 0, W = 3) matched the hand-written per-step GRPO step to 2.5e-8 relative, failing the 1e-10 it then asked:
+LTX-2's RoPE runs in float32 whatever the dtype (diffusers' ``apply_rotary_emb`` in transformer_ltx2.py upcasts q and
+k with ``.float()``), so the engine's and the reference's gradients round differently there. The bound is now 1e-6
+(as the distributed tests' float32 timestep embedding), not rerun.
 
 The float64 GRPO / JAGG updates against their hand-written per-step reference, the LoRA export (LTX2Pipeline and
 peft) and the full-weight export (LTX2VideoTransformer3DModel, LTX2Pipeline) loading bit for bit, gradient
@@ -37,8 +39,8 @@ ROOT = Path(__file__).resolve().parents[2]
                                                          (1.0, 2, {"resolution": [32, 64], "num_frames": 5})],
                          ids=["exact_grpo", "jagg_w2", "jagg_w2_32x64_5f"])
 def test_update_equals_handwritten_per_step_grpo(ltx2_twin_dir, jagg_frac, window_size, shape, rng_seed):
-    """float64, CFG on: jagg_frac 0 and JAGG on W = 2 windows give the per-step GRPO step (< 1e-10); also on a
-    wide clip of 5 frames."""
+    """float64, CFG on: jagg_frac 0 and JAGG on W = 2 windows give the per-step GRPO step (< 1e-6: LTX-2's RoPE is
+    float32); also on a wide clip of 5 frames."""
     seed, lr = rng_seed % 10_000, 0.5
     module = module_for(ltx2_twin_dir, seed, dtype="float64", jagg_frac=jagg_frac, window_size=window_size,
                         optimizer=lambda p: torch.optim.SGD(p, lr=lr), max_grad_norm=None, shape=shape,
@@ -51,7 +53,7 @@ def test_update_equals_handwritten_per_step_grpo(ltx2_twin_dir, jagg_frac, windo
     adv = group_advantages(rewards.view(-1, 2)).flatten()
     expected = [-lr * g for g in exact_per_step_gradient(reference.policy, traj, cond, adv, reference.trained_steps)]
     assert sum(float(u.abs().sum()) for u in expected) > 0
-    assert rel_error(update, expected) < 1e-10
+    assert rel_error(update, expected) < 1e-6  # float64 but for LTX-2's float32 RoPE (module docstring)
 
 
 def test_jagg_fit_lora_export_loads_exactly_in_the_pipeline_and_peft(ltx2_twin_dir, tmp_path, rng_seed):

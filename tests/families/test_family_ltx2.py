@@ -57,8 +57,9 @@ def test_schedule_is_the_pipelines_dynamic_shift(ltx2_twin_dir, num_steps):
         assert torch.equal(times, native) == (resolution == 32)
 
 
-# the twin's 32 px x 9 frames, and a wide clip of another length (rows, columns, frames and audio length all differ)
-SHAPES = pytest.mark.parametrize("shape", [{}, {"resolution": [32, 48], "num_frames": 5}], ids=["32px_9f", "32x48_5f"])
+# the twin's 32 px x 9 frames, and a wide clip of another length (rows, columns, frames and audio length all differ;
+# LTX2Pipeline takes sides that are multiples of 32)
+SHAPES = pytest.mark.parametrize("shape", [{}, {"resolution": [32, 64], "num_frames": 17}], ids=["32px_9f", "32x64_17f"])
 
 
 @SHAPES
