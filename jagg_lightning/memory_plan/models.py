@@ -97,6 +97,7 @@ def shipped_spec(folder: Path, hub_id: str | None = None) -> ModelSpec:
 FAMILY_OF_PIPELINE = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext",
                       "Flux2KleinPipeline": "flux2",
                       "Flux2Pipeline": "flux2_dev", "QwenImagePipeline": "qwen_image", "WanPipeline": "wan"}
+FAMILY_OF_PIPELINE["LTX2Pipeline"] = "ltx2"
 
 
 def local_spec(folder: Path) -> ModelSpec:
@@ -108,7 +109,11 @@ def local_spec(folder: Path) -> ModelSpec:
                          f"(planned: {', '.join(FAMILY_OF_PIPELINE)})")
     read = lambda part: json.loads((folder / part / "config.json").read_text())  # noqa: E731
     vae = read("vae")
-    if vae.get("scale_factor_spatial"):
+    if family == "ltx2":  # AutoencoderKLLTX2Video: its patch side x 2 per scaling block, unless it says its ratios
+        scaling = sum(map(bool, vae.get("spatio_temporal_scaling", (True,) * 4)))
+        spatial = vae.get("spatial_compression_ratio") or vae.get("patch_size", 4) * 2 ** scaling
+        temporal = vae.get("temporal_compression_ratio") or vae.get("patch_size_t", 1) * 2 ** scaling
+    elif vae.get("scale_factor_spatial"):
         spatial, temporal = int(vae["scale_factor_spatial"]), int(vae.get("scale_factor_temporal", 4))
     elif vae.get("temperal_downsample") is not None:
         spatial, temporal = 2 ** len(vae["temperal_downsample"]), 2 ** sum(map(bool, vae["temperal_downsample"]))
@@ -133,10 +138,10 @@ def local_spec(folder: Path) -> ModelSpec:
     tokenizer = folder / "tokenizer" / "tokenizer_config.json"
     clip = json.loads(tokenizer.read_text()).get("model_max_length", 77) if family == "sd3" and tokenizer.is_file() else 0
     scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
-    native = {"wan": (480, 832), "qwen_image": (1024, 1024)}.get(family, (sample, sample))
+    native = {"wan": (480, 832), "qwen_image": (1024, 1024), "ltx2": (512, 768)}.get(family, (sample, sample))
     return ModelSpec(family, transformer, f"{folder} (local pipeline)", experts=2 if (index.get("transformer_2") or
                      [None])[0] else 1, vae_spatial=spatial, vae_temporal=temporal, native_size=native,
-                     native_frames=81 if family == "wan" else 1, clip_tokens=clip,
+                     native_frames={"wan": 81, "ltx2": 121}.get(family, 1), clip_tokens=clip,
                      distilled=bool(index.get("is_distilled", False)), boundary_ratio=index.get("boundary_ratio"),
                      flow_shift=float(scheduler.get("flow_shift") or scheduler.get("shift") or 1.0),
                      components=components)
@@ -153,6 +158,8 @@ def twin_spec(family: str) -> ModelSpec:
     vae = pipe.vae.config
     if family in ("wan", "wan22"):
         spatial, temporal, native, frames = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal, 32, 9
+    elif family == "ltx2":
+        spatial, temporal, native, frames = pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio, 32, 9
     else:
         spatial = getattr(pipe, "vae_scale_factor", None) or 2 ** (len(vae.block_out_channels) - 1)
         temporal, frames = 1, 1
@@ -170,6 +177,7 @@ def twin_spec(family: str) -> ModelSpec:
 
 # the families jagg plan sizes (shapes.geometry); a named other one is refused before anything is read
 PLANNED_FAMILIES = ("sd3", "flux", "flux_kontext", "flux2", "flux2_dev", "qwen_image", "wan", "wan22")
+PLANNED_FAMILIES += ("ltx2",)
 
 
 def model_spec(policy) -> ModelSpec:

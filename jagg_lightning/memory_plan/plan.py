@@ -255,6 +255,8 @@ def layout(spec, setup, geo, policy, sampling, grpo, jagg, memory, prompts, trac
     rows.append(Row("rollout buffers", buffers, f"{n} samples x {S} steps: latents, velocities, log-probs"
                     + (", reference velocities" if grpo.kl_beta > 0 else "")))
     text_dim = spec.transformer.get("joint_attention_dim") or spec.transformer.get("text_dim") or 0
+    if spec.family == "ltx2":  # the video and the audio connectors' embeddings of each prompt (LTX-2.0: both this wide)
+        text_dim = 2 * spec.transformer["caption_channels"]
     cond = n * traced["rows_per_sample"] * geo.text * text_dim * dtype.itemsize
     what = f"{geo.text} tokens x {text_dim} per sample and branch"
     if spec.family == "flux_kontext":  # the source's packed latent tokens travel with each sample's condition

@@ -9,6 +9,7 @@ changes its layout fails there.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +50,20 @@ def geometry(family: str, config: dict, spatial: int, temporal: int, size: tuple
         p = config.get("patch_size", (1, 2, 2))
         grid = (f // p[0], h // p[1], w // p[2])
         return Geometry(family, (c, f, h, w), grid[0] * grid[1] * grid[2], text, grid)
+    if family == "ltx2":  # the joint latent: the video's packed tokens, then the audio's, ``c`` wide
+        grid = ((frames - 1) // temporal + 1, h, w)  # LTX-2's 1x1x1 patches
+        tokens = grid[0] * h * w + ltx2_audio_tokens(config, frames)
+        return Geometry(family, (tokens, c), tokens, text, grid)
     raise ValueError(f"jagg plan: family {family!r} has no memory plan yet "
                      "(planned: sd3, flux, flux_kontext, flux2, flux2_dev, qwen_image, wan)")
+
+
+def ltx2_audio_tokens(config: dict, frames: int, frame_rate: float = 24.0) -> int:
+    """LTX-2's audio latent length for a clip of ``frames`` at ``frame_rate`` (``LTX2Pipeline``'s: the duration
+    times the audio VAE's latents per second, sampling rate / hop length / 4, which the transformer's config holds)."""
+    per_second = config.get("audio_sampling_rate", 16000) / config.get("audio_hop_length", 160) / config.get(
+        "audio_scale_factor", 4)
+    return round(frames / frame_rate * per_second)
 
 
 def transformer_inputs(geo: Geometry, config: dict, batch: int, dtype: torch.dtype) -> dict:
@@ -84,4 +97,17 @@ def transformer_inputs(geo: Geometry, config: dict, batch: int, dtype: torch.dty
     if f == "wan":
         return dict(hidden_states=torch.zeros(n, *geo.latent, dtype=dtype), timestep=t * 1000,
                     encoder_hidden_states=torch.zeros(n, geo.text, config["text_dim"], dtype=dtype), return_dict=False)
+    if f == "ltx2":  # LTX2Policy._forward: the two streams, the connectors' embeddings of both, the mask
+        video = math.prod(geo.grid)
+        audio = geo.latent[0] - video
+        widths = ((config["caption_channels"],) * 2 if config.get("use_prompt_embeddings", True)
+                  else (config["cross_attention_dim"], config["audio_cross_attention_dim"]))
+        return dict(hidden_states=torch.zeros(n, video, geo.latent[1], dtype=dtype),
+                    audio_hidden_states=torch.zeros(n, audio, config["audio_in_channels"], dtype=dtype),
+                    encoder_hidden_states=torch.zeros(n, geo.text, widths[0], dtype=dtype),
+                    audio_encoder_hidden_states=torch.zeros(n, geo.text, widths[1], dtype=dtype),
+                    timestep=t * 1000, sigma=t * 1000, encoder_attention_mask=torch.ones(n, geo.text, dtype=torch.long),
+                    audio_encoder_attention_mask=torch.ones(n, geo.text, dtype=torch.long), num_frames=geo.grid[0],
+                    height=geo.grid[1], width=geo.grid[2], fps=24.0, audio_num_frames=audio, use_cross_timestep=True,
+                    return_dict=False)
     raise ValueError(f"jagg plan: family {f!r} has no memory plan yet")

@@ -65,6 +65,7 @@ register_family("wan22", (), "jagg_lightning.policies.wan", "Wan22TinyPolicy")  
 register_family("wan_i2v", ("WanImageToVideoPipeline",), "jagg_lightning.policies.wan_i2v", "WanI2VPolicy")
 register_family("wan22_ti2v", ("WanImageToVideoPipeline",), "jagg_lightning.policies.wan_i2v", "Wan22TI2VPolicy",
                 requires={"expand_timesteps": True})  # the same pipeline class in its TI2V mode
+register_family("ltx2", ("LTX2Pipeline",), "jagg_lightning.policies.ltx2", "LTX2Policy")
 
 
 def _supported() -> str:

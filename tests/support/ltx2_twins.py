@@ -1,0 +1,69 @@
+"""The LTX-2 tiny twin the LTX-2 tests run on (a real ``LTX2Pipeline`` built offline, saved once per session by the
+``ltx2_twin_dir`` fixture: a test file imports it), and the modules they build on it."""
+
+import lightning as L
+import pytest
+import torch
+
+from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
+from jagg_lightning.data import PromptDataModule
+from jagg_lightning.policies import build_policy
+from jagg_lightning.policies.ltx2 import build_tiny_ltx2_pipeline
+from jagg_lightning.rewards import FrameReward
+
+from helpers import float64_reward, randomize_lora_b, tiny_policy_config
+
+PROMPTS = ["a red cat", "a blue dog"]
+# the pipeline __call__ arguments that turn its further guidance terms off (the policy samples plain CFG on both
+# streams: LTX2Policy's docstring)
+PLAIN_CFG = dict(stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0, audio_stg_scale=0.0, audio_modality_scale=1.0,
+                 audio_guidance_rescale=0.0, spatio_temporal_guidance_blocks=None)
+
+
+def build(dtype=torch.float32):
+    return build_tiny_ltx2_pipeline(0, dtype)
+
+
+@pytest.fixture(scope="session")
+def ltx2_twin_dir(tmp_path_factory):
+    """The twin (seed 0, float32) saved with ``save_pretrained``, once per session."""
+    path = tmp_path_factory.mktemp("ltx2_twin") / "ltx2"
+    build().save_pretrained(path)
+    return path
+
+
+def config(**kw):
+    # resolution and frames named: a saved twin loads as a real pipeline would, at 512 x 768 and 121 frames by default
+    return tiny_policy_config(**({"lora_targets": None, "max_sequence_length": 16, "guidance_scale": 3.0,
+                                  "resolution": 32, "num_frames": 9} | kw))
+
+
+def module_for(path, seed, dtype="float32", jagg_frac=0.5, window_size=2, num_steps=4, optimizer=None, shape=None,
+               reward=None, **grpo):
+    """``shape``: PolicyConfig overrides of the twin's size (``resolution``, ``num_frames``); ``reward``: an image
+    reward scored on 3 frames (default: JPEG compressibility at the run's precision)."""
+    module = JAGGModule(
+        config(pretrained=str(path), dtype=dtype, **(shape or {})),
+        SamplingConfig(num_steps=num_steps, group_size=2, rollout_batch_size=4),
+        GRPOConfig(**({"train_batch_size": 4, "skip_zero_advantage": False} | grpo)),
+        JAGGConfig(window_size=window_size, jagg_frac=jagg_frac),
+        optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-3)),
+        reward=FrameReward(reward or float64_reward(dtype), frames=3),
+        seed=seed,
+    )
+    module.configure_model()
+    randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
+    return module
+
+
+def lora_policy(seed, pipe=None, **kw):
+    """The twin's policy (built in memory, or on ``pipe``) with both LoRA factors nonzero."""
+    policy = build_policy(config(seed=seed, family="ltx2", **kw), pipeline=pipe if pipe is not None else build())
+    randomize_lora_b(policy.transformer, torch.Generator().manual_seed(seed))
+    return policy
+
+
+def fit(module, steps=1):
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, PromptDataModule(prompts=PROMPTS, batch_size=2, shuffle=False))
