@@ -171,8 +171,8 @@ class HunyuanVideo15Policy(Policy):
         self.num_frames = frames
         z = self.vae.config.latent_channels
         if cfg.in_channels != 2 * z + 1 or cfg.out_channels != z:
-            raise ValueError(f"policy.pretrained: a HunyuanVideo 1.5 transformer takes the latent, the condition latent "
-                             f"and a mask ({2 * z + 1} input channels, {z} out for the VAE's {z}); this one "
+            raise ValueError("policy.pretrained: a HunyuanVideo 1.5 transformer takes the latent, the condition "
+                             f"latent and a mask ({2 * z + 1} input channels, {z} out for the VAE's {z}); this one "
                              f"{cfg.in_channels} in, {cfg.out_channels} out")
 
     @property
