@@ -14,7 +14,8 @@ from jagg_lightning.data import PromptDataModule
 
 from launch import run_ranks
 from helpers import rel_error, sgd
-from hunyuan_video15_twins import TWINS, build, module_for, prompts
+from hunyuan_video15_twins import hunyuan_twin_dirs  # noqa: F401 (the shared fixture: both twins saved once)
+from hunyuan_video15_twins import TWINS, module_for, prompts
 
 pytestmark = [pytest.mark.distributed, pytest.mark.subprocess, pytest.mark.slow]
 
@@ -33,9 +34,9 @@ RANK_SCRIPT = textwrap.dedent('''
     from helpers import sgd
     from hunyuan_video15_twins import module_for, prompts
 
-    out, seed = sys.argv[1], int(sys.argv[2])
+    out, seed, twins = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     for twin, kind in RUNS:
-        module = module_for(twin, f"{out}/{twin}", seed, optimizer=sgd, **OPTIONS)
+        module = module_for(twin, f"{twins}/{twin}", seed, optimizer=sgd, **OPTIONS)
         strategy = (FSDP2Strategy(process_group_backend="gloo") if kind == "fsdp2" else
                     DDPStrategy(process_group_backend="gloo"))
         trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=2, strategy=strategy, logger=False,
@@ -54,16 +55,14 @@ RANK_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_ddp_and_fsdp2_equal_one_process_on_the_hunyuan_video15_twins(tmp_path, rng_seed):
+def test_ddp_and_fsdp2_equal_one_process_on_the_hunyuan_video15_twins(hunyuan_twin_dirs, tmp_path, rng_seed):
     seed = rng_seed % 10_000
     assert {twin for twin, _ in RUNS} == set(TWINS)
-    for twin in TWINS:
-        build(twin).save_pretrained(tmp_path / twin)
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)
-    run_ranks(script, str(tmp_path), str(seed), timeout=300)
+    run_ranks(script, str(tmp_path), str(seed), str(hunyuan_twin_dirs[RUNS[0][0]].parent), timeout=300)
     for twin in TWINS:
-        single = module_for(twin, tmp_path / twin, seed, optimizer=sgd, **OPTIONS)
+        single = module_for(twin, hunyuan_twin_dirs[twin], seed, optimizer=sgd, **OPTIONS)
         initial = {n: p.detach().clone() for n, p in single.named_parameters() if p.requires_grad}
         L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False).fit(single, PromptDataModule(prompts=prompts(twin), batch_size=2,
