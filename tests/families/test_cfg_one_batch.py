@@ -31,8 +31,13 @@ FAMILIES = {
     "wan22_ti2v": dict(lora_targets=None, max_sequence_length=16, resolution=32, num_frames=9, guidance_scale=5.0),
     # image editing with true CFG: the source's tokens in both branches
     "qwen_image_edit": dict(lora_targets=None, negative_prompt=" ", resolution=64, guidance_scale=4.0),
+    # HunyuanVideo 1.5: (embeds, mask, ByT5 embeds, mask) per branch; image-to-video's condition latent and SigLIP
+    # tokens in both
+    "hunyuan_video15": dict(lora_targets=None, max_sequence_length=16, resolution=32, num_frames=5, guidance_scale=6.0),
+    "hunyuan_video15_i2v": dict(lora_targets=None, max_sequence_length=16, resolution=32, num_frames=5,
+                                guidance_scale=6.0),
 }
-CONDITIONED = {"wan_i2v", "wan22_ti2v", "qwen_image_edit"}  # prompts with a source image each
+CONDITIONED = {"wan_i2v", "wan22_ti2v", "qwen_image_edit", "hunyuan_video15_i2v"}  # prompts with a source image each
 
 
 class TransformerCalls:
@@ -56,6 +61,8 @@ def branches(family, cond):
     ``cond``; an image-to-video condition is (text, negative text, *the image's entries), both branches with the image."""
     if family == "qwen_image_edit":  # (embeds, mask, negative embeds, negative mask, source tokens)
         return (*cond[:2], *cond[4:]), (*cond[2:4], *cond[4:])
+    if family.startswith("hunyuan_video15"):  # four text entries per branch, then the image's
+        return (*cond[:4], *cond[8:]), (*cond[4:8], *cond[8:])
     if family in CONDITIONED:
         return (cond[0], *cond[2:]), (cond[1], *cond[2:])
     return cond[: len(cond) // 2], cond[len(cond) // 2:]
