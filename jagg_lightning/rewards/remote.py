@@ -160,12 +160,18 @@ class RemoteReward(Reward):
         answer.close()  # hang up on the rest: the socket closes with the answer's file, not with the connection
         raise RewardError(refusal)
 
-    def _call(self, path: str, body: bytes | None = None, content_type: str | None = None) -> bytes:
-        """One request with retries; the answer's body, or one RewardError naming the URL and the last status."""
+    def _call(self, path: str, body: bytes | None = None, content_type: str | None = None,
+              abort: threading.Event | None = None) -> bytes:
+        """One request with retries; the answer's body, or one RewardError naming the URL and the last status.
+        ``abort`` (set when a concurrent request of the same call failed): no further attempt starts, and a
+        backoff wait ends at once, with :class:`RequestCancelled`."""
         url, last, wait = self.url + path, "no attempt", 0.0
         for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(min(max(self.backoff * 2 ** (attempt - 1), wait), MAX_BACKOFF_S))
+            pause = min(max(self.backoff * 2 ** (attempt - 1), wait), MAX_BACKOFF_S) if attempt else 0.0
+            if abort is not None and abort.wait(pause):
+                raise RequestCancelled(f"reward {self.name}: {url}: cancelled after another request failed")
+            if abort is None and pause:
+                time.sleep(pause)
             wait = 0.0
             try:
                 status, headers, data = self._attempt(path, body, content_type, self.timeout)
@@ -243,6 +249,10 @@ class RemoteReward(Reward):
         check_images(images, prompts, self.name, self.accepts_video)
         total, components = self._request(images, prompts)
         return total, (components if len(components) > 1 else {self.name: total})
+
+
+class RequestCancelled(RewardError):
+    """A request not (or no longer) attempted because another request of the same call failed first."""
 
 
 def _error_text(raw: bytes) -> str:
