@@ -89,14 +89,16 @@ def select_detections(raw: dict[str, list[Detection]], tag: str, thresholds: Thr
     ``tag == "counting"``; strictly greater), most confident first, at most ``max_objects``, then greedy NMS (a
     detection survives when its IoU with every kept one is below ``nms_threshold``; 1 = none suppressed).
 
-    "Most confident first" is GenEval's ``np.argsort(scores)[::-1]``, called here as there: among equal scores
-    the reversed ascending sort puts the LATER detection first (numpy's default sort keeps equal keys in order
-    for the short arrays a class has), which decides which of two tied objects is read for colour and position."""
+    "Most confident first" is GenEval's ``np.argsort(scores)[::-1]``: among equal scores the reversed ascending
+    sort puts the LATER detection first (numpy's default sort keeps equal keys in order on the short arrays a class
+    has: an insertion sort below 16 elements), which decides which of two tied objects is read for colour and
+    position. The stable sort, reversed, is that rule on every length and CPU (a vectorised default sort may not
+    keep ties in order)."""
     limit = thresholds.threshold if tag != "counting" else thresholds.counting_threshold
     detected = {}
     for classname, found in raw.items():
         scores = np.array([d.score for d in found], dtype=np.float64)
-        ordering = np.argsort(scores)[::-1]
+        ordering = np.argsort(scores, kind="stable")[::-1]
         ordering = ordering[scores[ordering] > limit][: thresholds.max_objects]
         order = [found[i] for i in ordering.tolist()]
         kept = []

@@ -174,14 +174,17 @@ class VLMJudgeReward(RemoteReward):
         first failure sets ``abort``: no queued job starts, no job in flight retries, and it is raised at once."""
         if len(jobs) == 1 or self.max_concurrency == 1:
             return [self._ask(*job) for job in jobs]
-        abort = threading.Event()
+        abort, failures = threading.Event(), []
 
         def ask(job: tuple) -> float:
             if abort.is_set():
                 raise RequestCancelled(f"reward {self.name}: cancelled after another request failed")
             try:
                 return self._ask(*job, abort=abort)
-            except BaseException:
+            except RequestCancelled:
+                raise
+            except BaseException as err:
+                failures.append(err)  # before abort is set: a cancelled request always has a failure to name
                 abort.set()  # here, in the worker: before it can take the next job from the queue
                 raise
 
@@ -189,10 +192,8 @@ class VLMJudgeReward(RemoteReward):
         try:
             futures = [pool.submit(ask, job) for job in jobs]
             wait(futures, return_when=FIRST_EXCEPTION)
-            failures = [f.exception() for f in futures if f.done() and not f.cancelled() and f.exception()]
-            first = next((e for e in failures if not isinstance(e, RequestCancelled)), failures[0] if failures else None)
-            if first is not None:
-                raise first  # the first real failure in order, naming the answer
+            if abort.is_set():
+                raise failures[0]  # the first failure, naming the answer
             return [f.result() for f in futures]
         finally:
             # the requests in flight end within their timeout and retry no more; the queued ones never start
