@@ -19,7 +19,7 @@ rollout, as the presets use, they are the same update). No theta_old: the rollou
 no old velocity. Samples with A = 0 contribute only the KL term.
 
 A is the group advantage clipped to +-``grpo.adv_clip``; with ``objective.awm_advantage: scaled`` it is divided by
-``adv_clip`` as well, the AWM code's clamp(A, -5, 5) / 5 (the issue-55 check of that code; with adv_clip 5 the
+``adv_clip`` as well, the AWM code's clamp(A, -5, 5) / 5 (as issue 55 read that code; with adv_clip 5 the
 default ``clipped`` makes the policy term 5x the code's against the KL term and the gradient-norm clip). The code's
 noise levels, one schedule time per stratum of its indices, are ``objective.levels: stratified``.
 """
