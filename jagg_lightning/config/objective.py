@@ -10,7 +10,8 @@ from typing import Literal
 from jagg_lightning.utils.checks import check, one_of
 
 OBJECTIVE_NAMES = ("grpo", "nft", "awm")
-LEVEL_DISTRIBUTIONS = ("schedule", "uniform", "logit_normal")
+LEVEL_DISTRIBUTIONS = ("schedule", "stratified", "uniform", "logit_normal")
+AWM_ADVANTAGES = ("clipped", "scaled")
 AWM_WEIGHTINGS = ("uniform", "t", "t2", "ghuber")
 NFT_DECAY_TYPES = (0, 1, 2)
 
@@ -28,8 +29,12 @@ class ObjectiveConfig:
             2509.25050).
         num_levels: K noise levels per sample, an integer >= 1; null = int(0.99 num_steps) (the DiffusionNFT code's
             `train.timestep_fraction` 0.99).
-        levels: `schedule` (K distinct times of the rollout's own schedule, as the DiffusionNFT code), `uniform` or
-            `logit_normal` (t = sigmoid(N(0, 1)), SD3's pretraining density); drawn per update, shared by its samples.
+        levels: `schedule` (K distinct times of the rollout's own schedule, as the DiffusionNFT code), `stratified`
+            (the schedule indices `level_range` cut into K consecutive strata as evenly as possible, one index drawn
+            uniformly in each: the AWM code's draw), `uniform` or `logit_normal` (t = sigmoid(N(0, 1)), SD3's
+            pretraining density); drawn per update, shared by its samples.
+        level_range: `stratified`'s schedule indices [first, last], inclusive (index 0 is t = 1); null = [1,
+            num_steps - 1], every time but t = 1.
         level_shift: The shift s of `uniform` / `logit_normal` levels, t <- s t / (1 + (s - 1) t), > 0.
         shared_noise: One eps per sample for all its levels (z_t on one straight line; needed by `jagg`) instead of a
             fresh eps per level (the papers' code).
@@ -46,11 +51,16 @@ class ObjectiveConfig:
         awm_weighting: AWM's w(t) of the matching loss: `uniform`, `t`, `t2`, or `ghuber` (t times the generalised
             Huber error ((mse + 1e-10)^p - 1e-10^p) / p).
         awm_ghuber_power: The p of `ghuber`, in (0, 1] (Flow-Factory's `ghuber_power` 0.25).
+        awm_advantage: The advantage weighting the matching loss: `clipped` (the group advantage clipped to
+            +-`grpo.adv_clip`), or `scaled` (that divided by `grpo.adv_clip`, in [-1, 1]: the AWM code's
+            clamp(A, -5, 5) / 5 with adv_clip 5). `scaled` keeps the policy term's size against the KL term and the
+            gradient-norm clip as the code has it; `clipped` makes it adv_clip times larger.
     """
 
     name: Literal["grpo", "nft", "awm"] = "grpo"
     num_levels: int | None = None
-    levels: Literal["schedule", "uniform", "logit_normal"] = "schedule"
+    levels: Literal["schedule", "stratified", "uniform", "logit_normal"] = "schedule"
+    level_range: list[int] | None = None
     level_shift: float = 1.0
     shared_noise: bool = False
     jagg: bool = False
@@ -61,12 +71,18 @@ class ObjectiveConfig:
     nft_decay_type: int = 1
     awm_weighting: Literal["uniform", "t", "t2", "ghuber"] = "uniform"
     awm_ghuber_power: float = 0.25
+    awm_advantage: Literal["clipped", "scaled"] = "clipped"
 
     def __post_init__(self):
         check(self.name in OBJECTIVE_NAMES, "objective.name", one_of(OBJECTIVE_NAMES), self.name)
         check(self.num_levels is None or (isinstance(self.num_levels, int) and self.num_levels >= 1),
               "objective.num_levels", "an integer >= 1 or null", self.num_levels)
         check(self.levels in LEVEL_DISTRIBUTIONS, "objective.levels", one_of(LEVEL_DISTRIBUTIONS), self.levels)
+        check(self.level_range is None or (isinstance(self.level_range, (list, tuple)) and len(self.level_range) == 2
+                                            and all(isinstance(i, int) for i in self.level_range)
+                                            and 0 <= self.level_range[0] <= self.level_range[1]),
+              "objective.level_range", "[first, last] schedule indices with 0 <= first <= last, or null",
+              self.level_range)
         check(self.level_shift > 0, "objective.level_shift", "> 0", self.level_shift)
         check(self.jagg_window is None or (isinstance(self.jagg_window, int) and self.jagg_window >= 3),
               "objective.jagg_window", "an integer >= 3 or null (all the levels in one window)", self.jagg_window)
@@ -76,6 +92,8 @@ class ObjectiveConfig:
         check(self.nft_decay_type in NFT_DECAY_TYPES, "objective.nft_decay_type", one_of(NFT_DECAY_TYPES),
               self.nft_decay_type)
         check(0 < self.awm_ghuber_power <= 1, "objective.awm_ghuber_power", "in (0, 1]", self.awm_ghuber_power)
+        check(self.awm_advantage in AWM_ADVANTAGES, "objective.awm_advantage", one_of(AWM_ADVANTAGES),
+              self.awm_advantage)
         check(self.awm_weighting in AWM_WEIGHTINGS, "objective.awm_weighting", one_of(AWM_WEIGHTINGS),
               self.awm_weighting)
         check(not self.jagg or self.shared_noise, "objective.jagg",
@@ -86,12 +104,24 @@ class ObjectiveConfig:
         """K: ``num_levels``, or int(0.99 num_steps) (at least 1)."""
         return self.num_levels if self.num_levels is not None else max(1, int(0.99 * num_steps))
 
+    def level_indices(self, num_steps: int) -> tuple[int, int]:
+        """`stratified`'s schedule indices [first, last]: ``level_range`` or [1, num_steps - 1]."""
+        return tuple(self.level_range) if self.level_range is not None else (1, num_steps - 1)
+
     def check_sections(self, num_steps: int) -> None:
-        """Checks across sections: the "schedule" levels are distinct times of the rollout's schedule."""
+        """Checks across sections: the "schedule" levels are distinct times of the rollout's schedule; the
+        "stratified" ones need a stratum (an index) per level within the schedule."""
         if self.name != "grpo" and self.levels == "schedule":
             check(self.levels_for(num_steps) <= num_steps, "objective.num_levels",
                   f"<= sampling.num_steps={num_steps} with objective.levels 'schedule' (distinct schedule times)",
                   self.num_levels)
+        if self.name != "grpo" and self.levels == "stratified":
+            first, last = self.level_indices(num_steps)
+            check(last <= num_steps - 1, "objective.level_range", f"indices <= sampling.num_steps - 1 = "
+                  f"{num_steps - 1} (the schedule's times t_0 = 1 .. t_{num_steps - 1})", [first, last])
+            check(self.levels_for(num_steps) <= last - first + 1, "objective.num_levels",
+                  f"<= {last - first + 1}, the indices in objective.level_range {[first, last]} (one per stratum)",
+                  self.levels_for(num_steps))
         if self.jagg:
             check(self.levels_for(num_steps) >= 3, "objective.num_levels",
                   ">= 3 with objective.jagg (a window of 2 levels is already exact)", self.levels_for(num_steps))

@@ -30,7 +30,7 @@ class SamplingConfig:
         group_size: K samples per prompt (a GRPO group), an integer >= 2 (GRPO normalises inside a group).
         noise_level: The SDE noise level a, in (0, 2] (0.7 SD3, 0.9 FLUX): trained steps need a density.
         step_kind: The stochastic step of the trained steps: `sde`, `sde_constant` (sigma = noise_level at every t,
-            DanceGRPO's eta) or `cps`.
+            DanceGRPO's eta), `sde_linear` (sigma = noise_level x t, Flash-GRPO's sigmas[1] t) or `cps`.
         trained_steps: The first n steps get a loss term, in [1, num_steps] (< num_steps with `cps`: its last step
             is deterministic); null = all but the last, nearly clean one. Null with an SDE window.
         ode_after_trained: Sample the steps after the trained ones as an ODE (the rollout's tail; evaluation is

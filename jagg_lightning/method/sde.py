@@ -3,7 +3,7 @@
 Rectified flow: z_t = (1 - t) x + t eps, the model predicts the velocity v = dz/dt ~ eps - x.
 Time runs 1 -> 0; one step goes from t_k to t_{k+1} with dt = t_{k+1} - t_k < 0.
 
-Three step kinds share one signature:
+The step kinds share one signature:
 
 * ``"sde"``  -- the Flow-GRPO SDE (Liu et al. 2025). With sigma_k = a sqrt(t_k / (1 - t_k))
   (at t_k = 1 the denominator uses t_{k+1}, as Flow-GRPO does),
@@ -18,6 +18,9 @@ Three step kinds share one signature:
 
 * ``"sde_constant"`` -- the same SDE with a constant coefficient sigma_k = a (DanceGRPO's ``eta``):
   mu_k = z_k + [v_k + a^2 / (2 t_k) (z_k + (1 - t_k) v_k)] dt, s_k = a sqrt(-dt).
+
+* ``"sde_linear"`` -- the same SDE with sigma_k = a t_k, linear in t: Flash-GRPO's noise (its authors'
+  ``sde_step_with_logprob`` takes std_dev_t = sigmas[1] t, so a = the grid's second time sigmas[1]).
 
 * ``"ode"``  -- the deterministic Euler step mu_k = z_k + v_k dt, s_k = 0 (no log-prob).
 
@@ -145,6 +148,12 @@ def _constant_sde(z: Tensor, v: Tensor, t: Tensor, t_next: Tensor, a: float) -> 
     return z + (v + sigma**2 / (2 * t) * (z + (1 - t) * v)) * dt, sigma * torch.sqrt(-dt), sigma
 
 
+def _linear_sde(z: Tensor, v: Tensor, t: Tensor, t_next: Tensor, a: float) -> tuple[Tensor, Tensor, Tensor]:
+    dt = t_next - t
+    sigma = a * t
+    return z + (v + sigma**2 / (2 * t) * (z + (1 - t) * v)) * dt, sigma * torch.sqrt(-dt), sigma
+
+
 def _cps(z: Tensor, v: Tensor, t: Tensor, t_next: Tensor, a: float) -> tuple[Tensor, Tensor, Tensor]:
     std = t_next * math.sin(a * math.pi / 2)
     x_hat, eps_hat = z - t * v, z + (1 - t) * v
@@ -174,6 +183,7 @@ class StepKindSpec:
 STEP_KINDS: dict[str, StepKindSpec] = {
     "sde": StepKindSpec(_flow_grpo_sde, stochastic=True),
     "sde_constant": StepKindSpec(_constant_sde, stochastic=True),
+    "sde_linear": StepKindSpec(_linear_sde, stochastic=True),
     "cps": StepKindSpec(_cps, stochastic=True, deterministic_into_zero=True, squared_error_log_prob=True),
     "ode": StepKindSpec(_ode, stochastic=False),
 }

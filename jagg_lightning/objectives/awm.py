@@ -17,6 +17,11 @@ paper's equation numbers could not be checked offline; that code also wraps exp(
 whose gradient on the first update after a rollout -- ratio exactly 1 -- is this one: with one optimizer step per
 rollout, as the presets use, they are the same update). No theta_old: the rollout samples theta, and the loss reads
 no old velocity. Samples with A = 0 contribute only the KL term.
+
+A is the group advantage clipped to +-``grpo.adv_clip``; with ``objective.awm_advantage: scaled`` it is divided by
+``adv_clip`` as well, the AWM code's clamp(A, -5, 5) / 5 (as issue 55 read that code; with adv_clip 5 the
+default ``clipped`` makes the policy term 5x the code's against the KL term and the gradient-norm clip). The code's
+noise levels, one schedule time per stratum of its indices, are ``objective.levels: stratified``.
 """
 
 from __future__ import annotations
@@ -44,12 +49,17 @@ def matching_error(mse: Tensor, weighting: str, power: float) -> Tensor:
 class AWMObjective(ForwardProcessObjective):
     name = "awm"
     default_kl_beta = 0.0
+    advantage_scale = 1.0  # 1 / grpo.adv_clip with awm_advantage "scaled" (set by check, with the sections)
+
+    def check(self, sampling, grpo, jagg) -> None:
+        super().check(sampling, grpo, jagg)
+        self.advantage_scale = 1.0 / grpo.adv_clip if self.config.awm_advantage == "scaled" else 1.0
 
     def point_loss(self, v: Tensor, point: MatchingPoint) -> tuple[Tensor, StepLossStats]:
         target = point.eps - point.x0
         c = self.config
         mse = per_sample_mean((v - target) ** 2)
         matching = awm_weight(point.t, c.awm_weighting) * matching_error(mse, c.awm_weighting, c.awm_ghuber_power)
-        policy = point.advantages.to(v.dtype) * matching
+        policy = point.advantages.to(v.dtype) * self.advantage_scale * matching
         kl = self.kl_term(v, point)
         return policy + self.kl_beta * kl, point_stats(policy, kl)

@@ -97,12 +97,21 @@ class ForwardProcessObjective(Objective):
         return ForwardProcessUpdater(policy, sampling, grpo, jagg, memory, sampler, self)
 
 
-def noise_levels(kind: str, count: int, schedule: Tensor, shift: float, generator: torch.Generator) -> Tensor:
+def noise_levels(kind: str, count: int, schedule: Tensor, shift: float, generator: torch.Generator,
+                 index_range: tuple[int, int] | None = None) -> Tensor:
     """K noise levels in decreasing order (float64 [K]): ``count`` distinct times t_0 .. t_{S-1} of the rollout's
-    ``schedule`` ("schedule"), or drawn from U(0, 1) ("uniform") or sigmoid(N(0, 1)) ("logit_normal") and shifted,
+    ``schedule`` ("schedule"); one time from each of ``count`` consecutive strata of the schedule indices
+    ``index_range`` [first, last] (null: [1, S - 1]) cut as evenly as possible, the first strata one index longer
+    where they do not divide ("stratified": the AWM code's draw, e.g. 6 strata over indices 1..11 of a 14-step
+    schedule, never t = 1); or drawn from U(0, 1) ("uniform") or sigmoid(N(0, 1)) ("logit_normal") and shifted,
     t <- s t / (1 + (s - 1) t)."""
     if kind == "schedule":
         pick = torch.randperm(len(schedule) - 1, generator=generator)[:count]
+        t = schedule.double()[pick]
+    elif kind == "stratified":
+        first, last = index_range if index_range is not None else (1, len(schedule) - 2)
+        strata = torch.arange(first, last + 1).tensor_split(count)
+        pick = torch.stack([s[torch.randint(len(s), (1,), generator=generator)][0] for s in strata])
         t = schedule.double()[pick]
     else:
         u = torch.rand(count, generator=generator, dtype=torch.float64)
@@ -203,7 +212,8 @@ class ForwardProcessUpdater(Updater):
             for group in epoch_updates:
                 update_size = sum(len(m) for m in group)
                 gen = torch.Generator().manual_seed(sample_seed(self.sampling.seed, step, _LEVEL_STREAM, epoch, updates))
-                times = noise_levels(self.config.levels, K, self.sampler.times.cpu(), self.config.level_shift, gen)
+                times = noise_levels(self.config.levels, K, self.sampler.times.cpu(), self.config.level_shift, gen,
+                                     self.config.level_indices(self.sampling.num_steps))
                 with hooks.collectives.local_backward():
                     for index in group:
                         self.guard.train(index)

@@ -17,7 +17,10 @@ verl-omni and Flash-GRPO post the same bodies), one request per chunk of at most
 The images are ``round(x * 255)`` uint8 RGB saved by PIL as JPEG (quality 75, PIL's default, which
 Flow-GRPO's clients use). The answer is read by :func:`~jagg_lightning.rewards.safe_pickle.loads_plain`, never
 ``pickle.loads``: a server that answers anything but plain data (a pickle naming ``os.system``, an object array)
-is refused with one line naming what it tried to load, and nothing of it runs.
+is refused with one line naming what it tried to load, and nothing of it runs. Nor can an answer make the client
+allocate without bound: its body stops being read past ``max_answer_bytes``, and what the pickle builds is held to
+``max_answer_bytes`` per buffer and ``max_answer_items`` elements (:class:`~jagg_lightning.rewards.safe_pickle.PickleLimits`),
+each checked before the allocation; the scores' count is checked before they are converted.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import io
 import json
 import math
 import pickle
+import reprlib
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +39,8 @@ from torch import Tensor
 from jagg_lightning.models.conditions import metadata_of
 from jagg_lightning.rewards.base import RewardError, check_images
 from jagg_lightning.rewards.monitor import MONITOR_PREFIX
-from jagg_lightning.rewards.remote import RemoteReward, _one_line
-from jagg_lightning.rewards.safe_pickle import UnsafePickleError, loads_plain
+from jagg_lightning.rewards.remote import MAX_ANSWER_BYTES, RemoteReward, _one_line
+from jagg_lightning.rewards.safe_pickle import MAX_ANSWER_ITEMS, PickleLimits, UnsafePickleError, loads_plain
 from jagg_lightning.rewards.wire import to_uint8
 
 # server -> (the score's key in the answer, what the request carries besides the images, {monitor: answer key})
@@ -74,16 +78,26 @@ class FlowGRPOServerReward(RemoteReward):
         token: as :class:`RemoteReward`.
         name: as :class:`RemoteReward`; None: ``server``.
         backoff: as :class:`RemoteReward`.
+        max_answer_bytes: the largest answer read (:class:`RemoteReward`), and the largest buffer its pickle may
+            build (a bytearray, a numpy array), >= 1 (default 64 MiB).
+        max_answer_items: the most opcodes the answer's pickle may hold, and the most elements of a numpy array in
+            it, >= 1 (default 1,000,000; an answer for 64 images holds a few hundred).
     """
 
     def __init__(self, url: str, server: str = "deqa", metadata: str | None = None, only_strict: bool = True,
                  batch_size: int = 64, jpeg_quality: int = 75, score_key: str | None = None,
                  extra_fields: dict | None = None, timeout: float = 120.0, retries: int = 3,
-                 token: str | None = None, name: str | None = None, backoff: float = 1.0):
+                 token: str | None = None, name: str | None = None, backoff: float = 1.0,
+                 max_answer_bytes: int = MAX_ANSWER_BYTES, max_answer_items: int = MAX_ANSWER_ITEMS):
         if server not in SERVERS:
             raise ValueError(f"reward {name or 'flow_grpo_server'}: server must be one of {list(SERVERS)}, "
                              f"got {server!r}")
-        super().__init__(url, timeout=timeout, retries=retries, token=token, name=name or server, backoff=backoff)
+        super().__init__(url, timeout=timeout, retries=retries, token=token, name=name or server, backoff=backoff,
+                         max_answer_bytes=max_answer_bytes)
+        try:
+            self.limits = PickleLimits(self.max_answer_bytes, max_answer_items)
+        except ValueError as err:
+            raise ValueError(f"reward {self.name}: {err}") from None
         if int(batch_size) != batch_size or batch_size < 1:
             raise ValueError(f"reward {self.name}: batch_size must be an integer >= 1, got {batch_size}")
         if int(jpeg_quality) != jpeg_quality or not 1 <= jpeg_quality <= 95:
@@ -140,7 +154,7 @@ class FlowGRPOServerReward(RemoteReward):
     def _answer(self, raw: bytes) -> dict:
         where = f"reward {self.name}: {self.url}"
         try:
-            answer = loads_plain(raw)
+            answer = loads_plain(raw, self.limits)
         except UnsafePickleError as err:
             raise RewardError(_one_line(f"{where} answered a pickle that is not plain data: {err}")) from None
         except Exception:  # noqa: BLE001 -- whatever pickle raises on bytes that are no pickle
@@ -155,13 +169,14 @@ class FlowGRPOServerReward(RemoteReward):
         if key not in answer:
             raise RewardError(_one_line(f"{where} answered no {key!r} (keys: {sorted(map(str, answer))})"))
         values = answer[key]
-        values = values.tolist() if isinstance(values, np.ndarray) and values.ndim == 1 else values
-        if not isinstance(values, (list, tuple)) or not all(
-                isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
-                for v in values):
-            raise RewardError(_one_line(f"{where}: {key!r} must be a list of numbers, got {values!r:.200}"))
-        if len(values) != count:
+        if not isinstance(values, (list, tuple)) and not (isinstance(values, np.ndarray) and values.ndim == 1):
+            raise RewardError(_one_line(f"{where}: {key!r} must be a list of numbers, got {reprlib.repr(values)}"))
+        if len(values) != count:  # before any conversion: a long answer costs nothing
             raise RewardError(f"{where} returned {len(values)} {key} for {count} images; refusing it")
+        values = values.tolist() if isinstance(values, np.ndarray) else values
+        if not all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+                   for v in values):
+            raise RewardError(_one_line(f"{where}: {key!r} must be a list of numbers, got {reprlib.repr(values)}"))
         values = [float(v) for v in values]
         if not all(math.isfinite(v) for v in values):
             raise RewardError(_one_line(f"{where} returned a non-finite value in {key}: {values}; "

@@ -87,11 +87,20 @@ def select_detections(raw: dict[str, list[Detection]], tag: str, thresholds: Thr
                       ) -> dict[str, list[Detection]]:
     """``evaluate_image``'s selection: per class, detections above the confidence threshold (the counting one for
     ``tag == "counting"``; strictly greater), most confident first, at most ``max_objects``, then greedy NMS (a
-    detection survives when its IoU with every kept one is below ``nms_threshold``; 1 = none suppressed)."""
+    detection survives when its IoU with every kept one is below ``nms_threshold``; 1 = none suppressed).
+
+    "Most confident first" is GenEval's ``np.argsort(scores)[::-1]``: among equal scores the reversed ascending
+    sort puts the LATER detection first (numpy's default sort keeps equal keys in order on the short arrays a class
+    has: an insertion sort below 16 elements), which decides which of two tied objects is read for colour and
+    position. The stable sort, reversed, is that rule on every length and CPU (a vectorised default sort may not
+    keep ties in order)."""
     limit = thresholds.threshold if tag != "counting" else thresholds.counting_threshold
     detected = {}
     for classname, found in raw.items():
-        order = sorted((d for d in found if d.score > limit), key=lambda d: -d.score)[: thresholds.max_objects]
+        scores = np.array([d.score for d in found], dtype=np.float64)
+        ordering = np.argsort(scores, kind="stable")[::-1]
+        ordering = ordering[scores[ordering] > limit][: thresholds.max_objects]
+        order = [found[i] for i in ordering.tolist()]
         kept = []
         while order:
             best = order.pop(0)

@@ -63,16 +63,30 @@ def score_from_text(template: JudgeTemplate, text: str) -> float | None:
 
 def score_from_logprobs(template: JudgeTemplate, top_logprobs: list) -> float | None:
     """E[score] over the template's score tokens among the first answer token's top log-probabilities
-    (renormalised over those tokens), or None when none of them is there."""
-    weights: dict[float, float] = {}
+    (renormalised over those tokens), or None when none of them is there.
+
+    With l_j the score tokens' log-probabilities and m = max_j l_j, the weights are p_j = exp(l_j - m) /
+    sum_i exp(l_i - m) (the softmax over those tokens, shifted: each exp is in (0, 1] and the sum >= 1), so the
+    score is finite for any finite l_j, however large (a server's log-probabilities should be <= 0). A NaN or
+    infinite l_j is left out. A log-probability that is a number but no float (an integer past 1.8e308, which
+    ``json.loads`` reads exactly) raises ``ValueError`` naming the token."""
+    found: list[tuple[float, float]] = []  # (the token's score, its log-probability)
     for entry in top_logprobs:
         if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
             continue
         value = template.score_tokens.get(entry["token"].strip().lower())
         logprob = entry.get("logprob")
-        if value is not None and isinstance(logprob, (int, float)) and math.isfinite(logprob):
-            weights[value] = weights.get(value, 0.0) + math.exp(logprob)
-    total = sum(weights.values())
-    if not weights or total <= 0:
+        if value is None or isinstance(logprob, bool) or not isinstance(logprob, (int, float)):
+            continue
+        try:
+            logprob = float(logprob)
+        except OverflowError:
+            raise ValueError(f"the log-probability of token {entry['token']!r} overflows a float: "
+                             f"{str(logprob)[:40]}...") from None
+        if math.isfinite(logprob):
+            found.append((value, logprob))
+    if not found:
         return None
-    return sum(v * w for v, w in weights.items()) / total
+    top = max(logprob for _, logprob in found)
+    weights = [(value, math.exp(logprob - top)) for value, logprob in found]
+    return sum(v * w for v, w in weights) / sum(w for _, w in weights)

@@ -23,6 +23,8 @@ from jagg_lightning.rewards.wire import ENCODINGS, encode
 
 RETRIED_STATUSES = (429, 500, 502, 503, 504)  # the server is busy or broken: another try may succeed
 MAX_BACKOFF_S = 30.0
+MAX_ANSWER_BYTES = 64 << 20  # an answer for a micro-batch is a few kB; a server sending more is broken or hostile
+READ_CHUNK = 1 << 16
 
 
 class RemoteReward(Reward):
@@ -40,6 +42,9 @@ class RemoteReward(Reward):
         name: the reward's name (its key among a ``WeightedReward``'s components).
         encoding: ``safetensors`` (raw uint8) or ``png`` (JSON with base64 PNGs); both are 8-bit.
         backoff: seconds before the first retry, >= 0.
+        max_answer_bytes: the largest answer body read, >= 1: a larger ``Content-Length`` is refused before the
+            body is read, and a body without one stops being read past the cap; either is one line naming the cap
+            (not retried: the same request would get the same answer).
 
     When every attempt fails, one :class:`RewardError` names the URL, the attempts and the last status,
     on one line. An answer with the wrong number of scores or a non-finite score is refused. Requests go
@@ -50,7 +55,8 @@ class RemoteReward(Reward):
     name = "remote"
 
     def __init__(self, url: str, timeout: float = 60.0, retries: int = 3, token: str | None = None,
-                 name: str = "remote", encoding: str = "safetensors", backoff: float = 1.0):
+                 name: str = "remote", encoding: str = "safetensors", backoff: float = 1.0,
+                 max_answer_bytes: int = MAX_ANSWER_BYTES):
         super().__init__()
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"reward remote: url must start with http:// or https://, got {url!r}")
@@ -64,6 +70,9 @@ class RemoteReward(Reward):
             raise ValueError(f"reward remote: encoding must be one of {list(ENCODINGS)}, got {encoding!r}")
         if not isinstance(name, str) or not name:
             raise ValueError(f"reward remote: name must be a non-empty string, got {name!r}")
+        if isinstance(max_answer_bytes, bool) or int(max_answer_bytes) != max_answer_bytes or max_answer_bytes < 1:
+            raise ValueError(f"reward {name}: max_answer_bytes must be an integer >= 1, got {max_answer_bytes}")
+        self.max_answer_bytes = int(max_answer_bytes)
         self.url = url.rstrip("/")
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self.encoding, self.name = encoding, name
@@ -122,7 +131,7 @@ class RemoteReward(Reward):
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             connection.request("GET" if body is None else "POST", target, body=body, headers=self._headers(content_type))
             answer = connection.getresponse()
-            data = answer.read()
+            data = self._read_capped(answer, path)
             if expired.is_set():
                 raise TimeoutError(f"no whole answer within {timeout:g} s")
             return answer.status, dict(answer.getheaders()), data
@@ -134,12 +143,35 @@ class RemoteReward(Reward):
             watchdog.cancel()
             connection.close()
 
-    def _call(self, path: str, body: bytes | None = None, content_type: str | None = None) -> bytes:
-        """One request with retries; the answer's body, or one RewardError naming the URL and the last status."""
+    def _read_capped(self, answer: http.client.HTTPResponse, path: str) -> bytes:
+        """The answer's body, read in chunks and never past ``max_answer_bytes`` (a RewardError naming the cap)."""
+        limit, declared = self.max_answer_bytes, answer.getheader("Content-Length")
+        refusal = (f"reward {self.name}: {self.url}{path} answered more than max_answer_bytes={limit} bytes "
+                   f"(Content-Length {declared}); refusing it" if declared else
+                   f"reward {self.name}: {self.url}{path} answered more than max_answer_bytes={limit} bytes; "
+                   f"stopped reading and refused it")
+        chunks, size = [], 0
+        if not (declared and declared.strip().isdigit() and int(declared) > limit):
+            while size <= limit and (chunk := answer.read(min(READ_CHUNK, limit + 1 - size))):
+                chunks.append(chunk)
+                size += len(chunk)
+            if size <= limit:
+                return b"".join(chunks)
+        answer.close()  # hang up on the rest: the socket closes with the answer's file, not with the connection
+        raise RewardError(refusal)
+
+    def _call(self, path: str, body: bytes | None = None, content_type: str | None = None,
+              abort: threading.Event | None = None) -> bytes:
+        """One request with retries; the answer's body, or one RewardError naming the URL and the last status.
+        ``abort`` (set when a concurrent request of the same call failed): no further attempt starts, and a
+        backoff wait ends at once, with :class:`RequestCancelled`."""
         url, last, wait = self.url + path, "no attempt", 0.0
         for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(min(max(self.backoff * 2 ** (attempt - 1), wait), MAX_BACKOFF_S))
+            pause = min(max(self.backoff * 2 ** (attempt - 1), wait), MAX_BACKOFF_S) if attempt else 0.0
+            if abort is not None and abort.wait(pause):
+                raise RequestCancelled(f"reward {self.name}: {url}: cancelled after another request failed")
+            if abort is None and pause:
+                time.sleep(pause)
             wait = 0.0
             try:
                 status, headers, data = self._attempt(path, body, content_type, self.timeout)
@@ -217,6 +249,10 @@ class RemoteReward(Reward):
         check_images(images, prompts, self.name, self.accepts_video)
         total, components = self._request(images, prompts)
         return total, (components if len(components) > 1 else {self.name: total})
+
+
+class RequestCancelled(RewardError):
+    """A request not (or no longer) attempted because another request of the same call failed first."""
 
 
 def _error_text(raw: bytes) -> str:

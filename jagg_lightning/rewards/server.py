@@ -10,7 +10,9 @@ Endpoints:
 - ``POST /score`` -> ``{"reward", "scores", "components"}``.
 
 Safe by default: binds 127.0.0.1; with ``--token_env VAR`` every request must carry
-``Authorization: Bearer <$VAR>`` (the token never appears on the command line); bodies over
+``Authorization: Bearer <$VAR>`` (the token never appears on the command line). A host beyond this machine (any
+address that is not loopback, ``0.0.0.0`` included) refuses to start without a token unless ``--no_token`` says
+that anyone who can reach the port may score (Jupyter's and TensorBoard's rule); bodies over
 ``--max_body_mb`` are refused before they are read. Statuses: 400 unreadable body, 401 missing or wrong
 token, 413 body too large, 415 unknown Content-Type, 422 wrong shape / dtype / count / prompts (the
 message names the problem; a reward's own ``ValueError`` about a prompt is a 422 too), 500 the reward
@@ -37,6 +39,7 @@ import ctypes
 import gc
 import hmac
 import importlib
+import ipaddress
 import json
 import logging
 import os
@@ -192,6 +195,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port, 0 for a free one (printed at start)")
     p.add_argument("--token_env", default=None,
                    help="name of an environment variable holding the bearer token every request must carry")
+    p.add_argument("--no_token", "--no-token", action="store_true", dest="no_token",
+                   help="serve a host beyond loopback without a token: anyone who can reach the port may score")
     p.add_argument("--max_body_mb", type=float, default=256.0, help="largest request body, MiB (default 256)")
     p.add_argument("--max_batch", type=int, default=1024, help="most images per request (default 1024)")
     p.add_argument("--max_side", type=int, default=4096, help="largest image height or width (default 4096)")
@@ -223,7 +228,27 @@ def _check(args) -> tuple[dict, str | None]:
         token = os.environ.get(args.token_env, "")
         if not token:
             raise ValueError(f"--token_env {args.token_env}: that environment variable is unset or empty")
+        if args.no_token:
+            raise ValueError("--no_token and --token_env contradict each other: give one")
+    if token is None and not args.no_token and not is_loopback(args.host):
+        raise ValueError(f"--host {args.host} is reachable beyond this machine: give --token_env VAR (every request "
+                         f"then carries Authorization: Bearer $VAR), or --no_token to serve anyone who can reach "
+                         f"the port")
     return init_args, token
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one (127.0.0.0/8, ::1; a name is resolved; an unresolved
+    name is not)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        found = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    return bool(found) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in found)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -267,9 +292,9 @@ def serve_main(argv: list[str], prepare=None) -> int:
         print(f"jagg serve-reward: error: cannot bind {args.host}:{args.port}: {err}", file=sys.stderr)
         return 2
     host, port = sock.getsockname()[:2]
-    if host not in ("127.0.0.1", "::1") and token is None:
+    if not is_loopback(host) and token is None:  # --no_token: said explicitly, still said once
         print(f"jagg serve-reward: warning: listening on {host}, beyond this machine, without a token "
-              f"(--token_env)", file=sys.stderr)
+              f"(--no_token)", file=sys.stderr)
     # the one line a supervisor (or a test) waits for: the reward is built and the port is bound
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     print(f"jagg serve-reward: {reward.name} on {url}", flush=True)

@@ -6,7 +6,10 @@ holding base64 PNG data URLs, then the question (:mod:`~jagg_lightning.rewards.j
 asks for ``logprobs`` / ``top_logprobs`` and, when the server returns them (vLLM and SGLang do; ``transformers
 serve`` ignores the fields), the score is the expected score over the first answer token's score tokens instead.
 Requests run concurrently, at most ``max_concurrency`` at a time, each with :class:`RemoteReward`'s timeout,
-retries, backoff and token.
+retries, backoff and token. The first request that fails ends the call: the queued requests are never sent, those
+in flight make no further attempt, and the failure is raised without waiting for them (so a failure surfaces within
+``timeout x (retries + 1)`` plus the backoffs, and a dead endpoint sees at most ``max_concurrency x (retries + 1)``
+requests).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from __future__ import annotations
 import base64
 import io
 import json
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -24,7 +28,7 @@ from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.rewards.judge_templates import (
     TEMPLATES, VIDEO_NOTE, JudgeTemplate, score_from_logprobs, score_from_text,
 )
-from jagg_lightning.rewards.remote import RemoteReward, _one_line
+from jagg_lightning.rewards.remote import RemoteReward, RequestCancelled, _one_line
 from jagg_lightning.rewards.wire import to_uint8
 
 MODES = ("pointwise", "pairwise")
@@ -122,8 +126,9 @@ class VLMJudgeReward(RemoteReward):
                 per_sample[i].append("data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii"))
         return per_sample
 
-    def _ask(self, urls: list[str], prompt: str, frames: int) -> float:
-        """One chat completion: the images then the question; its score (in the template's range)."""
+    def _ask(self, urls: list[str], prompt: str, frames: int, abort: threading.Event | None = None) -> float:
+        """One chat completion: the images then the question; its score (in the template's range). ``abort``: as
+        :meth:`RemoteReward._call`."""
         question = self.template.question.replace("{prompt}", prompt)
         if frames > 1 and self.mode == "pointwise":
             question = VIDEO_NOTE.replace("{frames}", str(frames)) + question
@@ -132,9 +137,13 @@ class VLMJudgeReward(RemoteReward):
                    "max_tokens": self.max_tokens, "temperature": self.temperature, "stream": False}
         if self.use_logprobs and self.template.score_tokens:
             request |= {"logprobs": True, "top_logprobs": 20}
-        raw = self._call("/chat/completions", json.dumps(request).encode(), "application/json")
+        raw = self._call("/chat/completions", json.dumps(request).encode(), "application/json", abort)
         text, top = self._read_answer(raw)
-        score = score_from_logprobs(self.template, top) if self.use_logprobs and top else None
+        try:
+            score = score_from_logprobs(self.template, top) if self.use_logprobs and top else None
+        except ValueError as err:
+            raise RewardError(_one_line(f"reward {self.name}: {self.url}/chat/completions answered a log-probability "
+                                        f"that is no float: {err}")) from None
         if score is None:
             score = score_from_text(self.template, text)
         if score is None:
@@ -161,15 +170,34 @@ class VLMJudgeReward(RemoteReward):
         return text, top if isinstance(top, list) else []
 
     def _run(self, jobs: list[tuple]) -> list[float]:
-        """Every job ``(urls, prompt, frames)`` asked, at most ``max_concurrency`` at once; scores in order."""
+        """Every job ``(urls, prompt, frames)`` asked, at most ``max_concurrency`` at once; scores in order. The
+        first failure sets ``abort``: no queued job starts, no job in flight retries, and it is raised at once."""
         if len(jobs) == 1 or self.max_concurrency == 1:
             return [self._ask(*job) for job in jobs]
+        abort, failures = threading.Event(), []
+
+        def ask(job: tuple) -> float:
+            if abort.is_set():
+                raise RequestCancelled(f"reward {self.name}: cancelled after another request failed")
+            try:
+                return self._ask(*job, abort=abort)
+            except RequestCancelled:
+                raise
+            except BaseException as err:
+                failures.append(err)  # before abort is set: a cancelled request always has a failure to name
+                abort.set()  # here, in the worker: before it can take the next job from the queue
+                raise
+
         pool = ThreadPoolExecutor(min(self.max_concurrency, len(jobs)), thread_name_prefix="jagg-judge")
         try:
-            futures = [pool.submit(self._ask, *job) for job in jobs]
-            return [f.result() for f in futures]  # the first failure (in order) is raised, naming the answer
+            futures = [pool.submit(ask, job) for job in jobs]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            if abort.is_set():
+                raise failures[0]  # the first failure, naming the answer
+            return [f.result() for f in futures]
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)  # after a failure, the requests not yet sent never are
+            # the requests in flight end within their timeout and retry no more; the queued ones never start
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ scores
     def _request(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:

@@ -14,6 +14,7 @@ import pickle
 import socket
 import threading
 import time
+import tracemalloc
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from io import BytesIO
 from typing import ClassVar
@@ -43,8 +44,22 @@ class Hostile:
         return os.system, (self.command,)
 
 
+class Call:
+    """Pickles as ``fn(*args)``: a few bytes that make an unrestricted reader allocate."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+STREAMED_BYTES = 16 << 20  # what the "endless" server sends, without a Content-Length
+
+
 class Handler(BaseHTTPRequestHandler):
     mode: ClassVar[str] = "ok"
+    sent: ClassVar[bool | None] = None  # "endless": whether the whole stream went out
     marker: ClassVar[str] = ""
     requests: ClassVar[list] = []
 
@@ -77,6 +92,20 @@ class Handler(BaseHTTPRequestHandler):
             payload = pickle.dumps({"outputs": [math.nan] + brightness[1:]})
         elif mode == "not_pickle":
             payload = b"<html>502 Bad Gateway</html>"
+        elif mode == "bytearray_bomb":  # 200 MB of zeros from a ~100-byte answer, in a key nobody reads
+            payload = pickle.dumps({"outputs": brightness, "extra": Call(bytearray, 200 << 20)})
+        elif mode in ("endless", "lying_length"):
+            self.send_response(200)
+            if mode == "lying_length":
+                self.send_header("Content-Length", str(500 << 20))
+            self.end_headers()
+            try:
+                for _ in range(STREAMED_BYTES >> 16 if mode == "endless" else 1):
+                    self.wfile.write(b"\0" * (1 << 16))
+                type(self).sent = True
+            except OSError:  # the client stopped reading and closed
+                type(self).sent = False
+            return
         elif mode == "slow":
             time.sleep(3)
         elif mode == "error":
@@ -191,6 +220,72 @@ def test_malformed_answers_are_one_line_naming_reward_and_endpoint(server, handl
         reward(torch.rand(2, 3, 16, 16), ["a", "b"])
     message = str(err.value)
     assert "\n" not in message and message.startswith(f"reward deqa_remote: {server}") and says in message, message
+
+
+def test_an_answer_that_would_allocate_past_the_caps_is_refused_by_name(server, handler):
+    """A ~100-byte answer building a 200 MB bytearray in an extra key: refused, naming the cap, before the
+    bytearray exists (traced allocations stay small)."""
+    handler.mode = "bytearray_bomb"
+    reward = FlowGRPOServerReward(server, retries=0, name="deqa_remote")
+    tracemalloc.start()
+    try:
+        with pytest.raises(RewardError) as err:
+            reward(torch.rand(2, 3, 16, 16), ["a", "b"])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"reward deqa_remote: {server} answered a pickle that is not")
+    assert f"refused a bytearray of {200 << 20} bytes: more than max_answer_bytes={64 << 20}" in message
+    assert peak < 32 << 20, f"{peak / 2**20:.0f} MB allocated"
+    # the cap is the reward's to set: 256 MiB lets the (harmless) bytearray through
+    assert len(FlowGRPOServerReward(server, retries=0, max_answer_bytes=256 << 20)(torch.rand(2, 3, 8, 8),
+                                                                                 ["a", "b"])) == 2
+    with pytest.raises(ValueError, match="max_answer_items must be an integer >= 1, got 0"):
+        FlowGRPOServerReward(server, max_answer_items=0)
+    with pytest.raises(ValueError, match="max_answer_bytes must be an integer >= 1, got 0"):
+        FlowGRPOServerReward(server, max_answer_bytes=0)
+
+
+@pytest.mark.parametrize("mode, says", [
+    ("endless", "answered more than max_answer_bytes=1048576 bytes; stopped reading and refused it"),
+    ("lying_length", f"answered more than max_answer_bytes=1048576 bytes (Content-Length {500 << 20}); refusing it"),
+])
+def test_an_answer_larger_than_the_cap_stops_being_read(server, handler, mode, says):
+    """16 MB streamed without a length, or 500 MB announced: the client reads at most its cap (1 MiB here),
+    refuses at once with one line (not retried, never waiting for the timeout) and hangs up on the rest."""
+    handler.mode, handler.sent = mode, None
+    reward = FlowGRPOServerReward(server, retries=2, timeout=30, max_answer_bytes=1 << 20, name="big")
+    start = time.monotonic()
+    with pytest.raises(RewardError) as err:
+        reward(torch.rand(1, 3, 16, 16), ["a"])
+    assert time.monotonic() - start < 10
+    message = str(err.value)
+    assert "\n" not in message and message == f"reward big: {server} {says}", message
+    assert len(handler.requests) == 1  # refused, not retried
+    if mode == "endless":
+        deadline = time.monotonic() + 10
+        while handler.sent is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert handler.sent is False  # the stream was cut off: the client hung up before its end
+
+
+def test_the_scores_count_is_checked_before_they_are_converted(server, rng_seed):
+    """An answer of 500k scores for 2 images: refused by count without converting a single one (the conversion to
+    a list of 500k floats would trace ~16 MB)."""
+    reward = FlowGRPOServerReward(server, retries=0, name="deqa_remote")
+    scores = np.random.default_rng(rng_seed).random(500_000)
+    for values in (scores, scores.tolist()):
+        tracemalloc.start()
+        try:
+            with pytest.raises(RewardError, match=r"returned 500000 outputs for 2 images; refusing it$"):
+                reward._scores({"outputs": values}, "outputs", 2)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, f"{peak / 2**20:.1f} MB allocated"
+    with pytest.raises(RewardError, match="returned 3 outputs for 2 images"):  # the count first, then the types
+        reward._scores({"outputs": [0.5, "x", None]}, "outputs", 2)
 
 
 def test_slow_and_dead_servers_fail_within_the_timeout(server, handler):

@@ -44,6 +44,25 @@ def test_max_objects_keeps_the_most_confident(rng_seed):
     assert len(select_detections(raw, "single_object", Thresholds(max_objects=3))["cup"]) == 3
 
 
+def test_equal_scores_put_the_later_detection_first_as_genevals_argsort(rng_seed):
+    """GenEval orders a class's detections by ``np.argsort(scores)[::-1]``: among equal scores the later one comes
+    first. Random scores drawn from three values (many ties), at most 16 per class: the kept order is descending
+    score, ties by descending index (the explicit rule, not numpy's call); and a tie decides colour binding."""
+    rng = np.random.default_rng(rng_seed)
+    for _ in range(20):
+        n = int(rng.integers(2, 17))
+        scores = rng.choice([0.5, 0.7, 0.95], size=n)
+        raw = {"cup": [det(20 * i, 0, score=float(s)) for i, s in enumerate(scores)]}
+        kept = select_detections(raw, "colors")["cup"]
+        expected = sorted(range(n), key=lambda i: (-scores[i], -i))
+        assert [raw["cup"].index(d) for d in kept] == expected
+    score = float(rng.uniform(0.4, 1.0))
+    blue, red = det(10, 10, score=score, color="blue"), det(40, 10, score=score, color="red")
+    clause = {"tag": "colors", "include": [{"class": "cup", "count": 1, "color": "red"}]}
+    assert evaluate(select_detections({"cup": [blue, red]}, "colors"), clause, no_colors)[0]  # red, the later, read
+    assert not evaluate(select_detections({"cup": [red, blue]}, "colors"), clause, no_colors)[0]
+
+
 def test_nms_off_by_default_and_suppressing_overlaps_at_or_above_its_threshold():
     a = Detection((0, 0, 9, 9), 0.9)       # 100 px (GenEval's inclusive areas)
     b = Detection((0, 0, 9, 4), 0.8)       # 50 px inside a: IoU 0.5

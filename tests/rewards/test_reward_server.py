@@ -33,7 +33,7 @@ from jagg_lightning.rewards import (
     build_reward,
 )
 from jagg_lightning.rewards.base import RewardError
-from jagg_lightning.rewards.server import serve_main
+from jagg_lightning.rewards.server import _check, parser, serve_main
 from jagg_lightning.rewards.wire import quantize
 
 REPO = Path(__file__).resolve().parents[2]
@@ -416,6 +416,24 @@ def test_bad_arguments_fail_before_anything_is_built(capsys, monkeypatch):
                           ({"url": "http://x", "token": "env:JAGG_UNSET_TOKEN"}, "JAGG_UNSET_TOKEN is unset")):
         with pytest.raises(ValueError, match=words):
             RemoteReward(**kwargs)
+
+
+def test_a_host_beyond_loopback_needs_a_token_or_an_explicit_no_token(capsys, monkeypatch):
+    """--host 0.0.0.0 (or any address not loopback) without a token refuses to start, in one line naming both ways
+    out; --no_token (or --no-token) says it on purpose; loopback hosts need neither."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    for host in ("0.0.0.0", "::", "192.0.2.7"):
+        assert serve_main(["--reward", "nope", "--host", host]) == 2  # refused before the reward is looked up
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--host {host} is reachable beyond this machine: give --token_env VAR" in err
+        assert "or --no_token to serve anyone" in err
+        for ways in (["--no_token"], ["--no-token"], ["--token_env", TOKEN_ENV]):
+            init_args, token = _check(parser().parse_args(["--reward", "ocr", "--host", host, *ways]))
+            assert token == (TOKEN if "--token_env" in ways else None)
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert _check(parser().parse_args(["--reward", "ocr", "--host", host])) == ({}, None)
+    with pytest.raises(ValueError, match="--no_token and --token_env contradict each other"):
+        _check(parser().parse_args(["--reward", "ocr", "--no_token", "--token_env", TOKEN_ENV]))
 
 
 def resident_mb(pid: int) -> float:

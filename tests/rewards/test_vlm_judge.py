@@ -234,6 +234,87 @@ def test_nonfinite_logprobs_never_make_a_nan_score(chat_server):
     assert judge(torch.rand(1, 3, 8, 8), ["a"]).tolist() == [7.0]
 
 
+@pytest.mark.parametrize("offset", [0.0, 709.0, 709.7, 1000.0, 1e300])
+def test_logprob_scores_are_finite_for_any_finite_logprob(rng_seed, offset):
+    """Log-probabilities shifted by up to 1e300 (a broken server's; exp of each overflows past 709.78): the score is
+    the float64 softmax-weighted mean of the same numbers, finite; equal ones give the mean score."""
+    g = torch.Generator().manual_seed(rng_seed)
+    logprobs = (offset + torch.randn(10, generator=g, dtype=torch.float64)).tolist()
+    top = [{"token": str(k), "logprob": lp} for k, lp in zip(range(1, 11), logprobs)]
+    expected = float((torch.softmax(torch.tensor(logprobs, dtype=torch.float64), 0)
+                      * torch.arange(1, 11, dtype=torch.float64)).sum())
+    score = score_from_logprobs(TEMPLATES["score_1_10"], top)
+    assert math.isfinite(score) and math.isclose(score, expected, rel_tol=1e-12), (score, expected)
+    equal = [{"token": "yes", "logprob": offset}, {"token": "no", "logprob": offset}]
+    assert score_from_logprobs(TEMPLATES["yes_no"], equal) == 0.5
+    infinite = [{"token": "yes", "logprob": -math.inf}, {"token": "no", "logprob": offset}]
+    assert score_from_logprobs(TEMPLATES["yes_no"], infinite) == 0.0  # exp(-inf) = 0: its token has no weight
+
+
+def test_a_logprob_past_a_float_is_one_line_naming_reward_and_endpoint(chat_server):
+    """JSON may carry an integer of 400 digits: ``json.loads`` reads it exactly, and no float holds it."""
+    ChatHandler.answer = completion("yes", [{"token": "yes", "logprob": 10**400}, {"token": "no", "logprob": -1.0}])
+    judge = VLMJudgeReward(chat_server, model="judge", task="yes_no", use_logprobs=True, retries=0, name="judge")
+    with pytest.raises(RewardError) as err:
+        judge(torch.rand(1, 3, 8, 8), ["a"])
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"reward judge: {chat_server}/chat/completions answered a "
+                                                       f"log-probability that is no float: ")
+    assert "token 'yes' overflows a float" in message
+
+
+class FailingHandler(BaseHTTPRequestHandler):
+    """Answers every request with a 500 (``hang`` 0) or after ``hang`` seconds; counts what it received."""
+
+    hang: ClassVar[float] = 0.0
+    received: ClassVar[list] = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).received.append(time.monotonic())
+        if self.hang:
+            time.sleep(self.hang)
+        try:
+            body = b'{"error": "GPU is on fire"}'
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:  # the client gave up first
+            pass
+
+
+@pytest.mark.parametrize("hang", [0.0, 3.0], ids=["http_500", "hangs"])
+def test_the_first_failure_cancels_the_pending_requests(hang):
+    """6 images, concurrency 2, timeout 1 s, one retry: the failure surfaces within timeout x (retries + 1) plus a
+    margin (not after the three rounds of a pool that drains its queue), and the endpoint gets at most
+    concurrency x (retries + 1) = 4 requests (not 12)."""
+    FailingHandler.hang, FailingHandler.received = hang, []
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FailingHandler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    try:
+        judge = VLMJudgeReward(url, model="judge", max_concurrency=2, timeout=1.0, retries=1, backoff=0.05,
+                               name="judge")
+        start = time.monotonic()
+        with pytest.raises(RewardError) as err:
+            judge(torch.rand(6, 3, 8, 8), ["a"] * 6)
+        elapsed = time.monotonic() - start
+        time.sleep(1.5)  # whatever was still in flight has ended by now
+        message = str(err.value)
+        assert "\n" not in message and message.startswith(f"reward judge: {url}/chat/completions failed 2 attempt(s)")
+        assert ("TimeoutError" if hang else "HTTP 500: GPU is on fire") in message
+        assert elapsed < 1.0 * 2 + 1.0, elapsed
+        assert len(FailingHandler.received) <= 2 * 2, len(FailingHandler.received)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_slow_endpoint_fails_within_the_timeout(chat_server):
     ChatHandler.answer, ChatHandler.delay = completion("7"), 3.0
     judge = VLMJudgeReward(chat_server, model="judge", timeout=0.5, retries=1, backoff=0.01, name="judge")
