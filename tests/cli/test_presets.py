@@ -74,8 +74,9 @@ REFERENCE = {
                                     "clip_range": 1e-3, "kl_beta": 0.0, "adv_std": "global", "group_size": 4,
                                     "guidance_scale": 4.5, "temporal_rectification": True},
     "digits_grpo_guard.yaml": {"window_size": 5, "ratio_norm": True, "ratio_reweight": True},
-    "sd35_medium_grpo_guard.yaml": {"family": "sd3", "num_steps": 10, "noise_level": 0.7, "kl_beta": 0.04,
-                                    "clip_range": 2e-6, "ratio_norm": True, "ratio_reweight": True},
+    # flow_grpo's config/grpo_guard.py, pickscore_hps_sd3_ratio_norm (issue 55): no KL, clip 4e-6, per-prompt std
+    "sd35_medium_grpo_guard.yaml": {"family": "sd3", "num_steps": 10, "noise_level": 0.7, "kl_beta": 0.0,
+                                    "clip_range": 4e-6, "ratio_norm": True, "ratio_reweight": True},
     # the forward-process objectives (issue 41): the NFT code's config/nft.py and Flow-Factory's AWM SD3.5 recipe
     "sd35_medium_nft.yaml": {"family": "sd3", "num_steps": 10, "lora_rank": 32, "lora_alpha": 64, "guidance_scale": 1.0,
                              "group_size": 24, "objective": "nft", "num_levels": 9, "nft_beta": 1.0, "nft_decay_type": 1,
