@@ -29,7 +29,7 @@ from jagg_lightning.models.export import save_transformer
 from jagg_lightning.policies import PolicyConfig, build_policy
 
 from family_cases import tiny_fit_args
-from helpers import exact_per_step_gradient, lora_grads, mean_intensity, rel_error
+from helpers import exact_per_step_gradient, lora_grads, rel_error
 from ltx2_twins import PROMPTS, build, fit, lora_policy, ltx2_twin_dir, module_for  # noqa: F401 (the fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,8 +43,7 @@ def test_update_equals_handwritten_per_step_grpo(ltx2_twin_dir, jagg_frac, windo
     float32); also on a wide clip of 5 frames."""
     seed, lr = rng_seed % 10_000, 0.5
     module = module_for(ltx2_twin_dir, seed, dtype="float64", jagg_frac=jagg_frac, window_size=window_size,
-                        optimizer=lambda p: torch.optim.SGD(p, lr=lr), max_grad_norm=None, shape=shape,
-                        reward=mean_intensity)
+                        optimizer=lambda p: torch.optim.SGD(p, lr=lr), max_grad_norm=None, shape=shape)
     reference = copy.deepcopy(module)
     before = [p.detach().clone() for p in module.policy.lora_parameters()]
     fit(module)

@@ -22,7 +22,7 @@ from jagg_lightning.models.adapters import save_adapter
 from jagg_lightning.models.export import save_transformer
 from jagg_lightning.policies import PolicyConfig, build_policy, detect_family
 
-from helpers import exact_per_step_gradient, mean_intensity, randomize_lora_b, rel_error
+from helpers import exact_per_step_gradient, randomize_lora_b, rel_error
 from hunyuan_video15_twins import hunyuan_twin_dirs  # noqa: F401 (the shared fixture: both twins saved once)
 from hunyuan_video15_twins import TWINS, build, config, exact_size_prompts, module_for, prompts
 
@@ -167,8 +167,7 @@ def test_update_equals_handwritten_per_step_grpo(twin, jagg_frac, window_size, h
     update's ratio is exactly 1."""
     seed, lr = rng_seed % 10_000, 0.5
     module = module_for(twin, hunyuan_twin_dirs[twin], seed, dtype="float64", jagg_frac=jagg_frac,
-                        window_size=window_size, optimizer=lambda p: torch.optim.SGD(p, lr=lr), max_grad_norm=None,
-                        reward=mean_intensity)
+                        window_size=window_size, optimizer=lambda p: torch.optim.SGD(p, lr=lr), max_grad_norm=None)
     assert module.policy.guided
     reference = copy.deepcopy(module)
     before = [p.detach().clone() for p in module.policy.lora_parameters()]
