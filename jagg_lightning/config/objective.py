@@ -9,7 +9,7 @@ from typing import Literal
 
 from jagg_lightning.utils.checks import check, one_of
 
-OBJECTIVE_NAMES = ("grpo", "nft", "awm")
+OBJECTIVE_NAMES = ("grpo", "nft", "awm", "dgpo", "flow_dppo")
 LEVEL_DISTRIBUTIONS = ("schedule", "uniform", "logit_normal")
 AWM_WEIGHTINGS = ("uniform", "t", "t2", "ghuber")
 NFT_DECAY_TYPES = (0, 1, 2)
@@ -24,10 +24,11 @@ class ObjectiveConfig:
 
     Attributes:
         name: `grpo` (the default: the clipped-ratio policy gradient over the SDE steps, the `grpo` / `jagg`
-            sections), `nft` (DiffusionNFT, arXiv 2509.16117) or `awm` (Advantage Weighted Matching, arXiv
-            2509.25050).
+            sections), `nft` (DiffusionNFT, arXiv 2509.16117), `awm` (Advantage Weighted Matching, arXiv
+            2509.25050), `dgpo` (Direct Group Preference Optimization, arXiv 2510.08425: a forward-process objective)
+            or `flow_dppo` (Flow-DPPO, arXiv 2606.11025: GRPO's SDE steps with a divergence mask for the clip).
         num_levels: K noise levels per sample, an integer >= 1; null = int(0.99 num_steps) (the DiffusionNFT code's
-            `train.timestep_fraction` 0.99).
+            `train.timestep_fraction` 0.99), for dgpo 4 (its `num_train_timesteps`).
         levels: `schedule` (K distinct times of the rollout's own schedule, as the DiffusionNFT code), `uniform` or
             `logit_normal` (t = sigmoid(N(0, 1)), SD3's pretraining density); drawn per update, shared by its samples.
         level_shift: The shift s of `uniform` / `logit_normal` levels, t <- s t / (1 + (s - 1) t), > 0.
@@ -46,9 +47,19 @@ class ObjectiveConfig:
         awm_weighting: AWM's w(t) of the matching loss: `uniform`, `t`, `t2`, or `ghuber` (t times the generalised
             Huber error ((mse + 1e-10)^p - 1e-10^p) / p).
         awm_ghuber_power: The p of `ghuber`, in (0, 1] (Flow-Factory's `ghuber_power` 0.25).
+        dgpo_beta: DGPO's DPO temperature of the group preference, > 0 (its `train.beta_dpo` 100).
+        dgpo_clip_range: DGPO's PPO-style clip of the matching loss against theta_old, > 0, or null for none
+            (its GenEval recipe's `clip_range` 0.01 with `clip_dsm`).
+        dgpo_trunc_steps: With `levels` `schedule`, DGPO draws its levels among the schedule's first
+            dgpo_trunc_steps + 1 times (the high-noise ones), an integer >= 0 (its `trunc_steps` 4).
+        dgpo_old_rollout_after: The training step after which DGPO's rollout samples theta_old instead of theta,
+            an integer >= 0 (its `switch_ema_ref` 500).
+        dgpo_group_noise: DGPO's samples of one group share one eps per level (its `use_shared_noise`).
+        dppo_threshold: Flow-DPPO's trust region delta on the exact per-step KL D_k: a sample moving away from
+            theta_old with D_k >= delta is dropped, >= 0 (verl-omni's and UniRL's `kl_mask_threshold` 1e-5).
     """
 
-    name: Literal["grpo", "nft", "awm"] = "grpo"
+    name: Literal["grpo", "nft", "awm", "dgpo", "flow_dppo"] = "grpo"
     num_levels: int | None = None
     levels: Literal["schedule", "uniform", "logit_normal"] = "schedule"
     level_shift: float = 1.0
@@ -61,6 +72,12 @@ class ObjectiveConfig:
     nft_decay_type: int = 1
     awm_weighting: Literal["uniform", "t", "t2", "ghuber"] = "uniform"
     awm_ghuber_power: float = 0.25
+    dgpo_beta: float = 100.0
+    dgpo_clip_range: float | None = 0.01
+    dgpo_trunc_steps: int = 4
+    dgpo_old_rollout_after: int = 500
+    dgpo_group_noise: bool = True
+    dppo_threshold: float = 1e-5
 
     def __post_init__(self):
         check(self.name in OBJECTIVE_NAMES, "objective.name", one_of(OBJECTIVE_NAMES), self.name)
@@ -78,17 +95,38 @@ class ObjectiveConfig:
         check(0 < self.awm_ghuber_power <= 1, "objective.awm_ghuber_power", "in (0, 1]", self.awm_ghuber_power)
         check(self.awm_weighting in AWM_WEIGHTINGS, "objective.awm_weighting", one_of(AWM_WEIGHTINGS),
               self.awm_weighting)
+        check(self.dgpo_beta > 0, "objective.dgpo_beta", "> 0", self.dgpo_beta)
+        check(self.dgpo_clip_range is None or self.dgpo_clip_range > 0, "objective.dgpo_clip_range", "> 0 or null",
+              self.dgpo_clip_range)
+        for field in ("dgpo_trunc_steps", "dgpo_old_rollout_after"):
+            value = getattr(self, field)
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, f"objective.{field}",
+                  "an integer >= 0", value)
+        check(isinstance(self.dgpo_group_noise, bool), "objective.dgpo_group_noise", "true or false",
+              self.dgpo_group_noise)
+        check(self.dppo_threshold >= 0, "objective.dppo_threshold", ">= 0", self.dppo_threshold)
         check(not self.jagg or self.shared_noise, "objective.jagg",
               "false unless objective.shared_noise is true (JAGG needs every level of a sample on one line "
               "z_t = (1 - t) x0 + t eps, so one eps per sample)", self.jagg)
 
     def levels_for(self, num_steps: int) -> int:
-        """K: ``num_levels``, or int(0.99 num_steps) (at least 1)."""
-        return self.num_levels if self.num_levels is not None else max(1, int(0.99 * num_steps))
+        """K: ``num_levels``, or int(0.99 num_steps) (at least 1; dgpo: 4, at most its schedule's choice)."""
+        if self.num_levels is not None:
+            return self.num_levels
+        if self.name == "dgpo":
+            return min(4, num_steps, self.dgpo_trunc_steps + 1)
+        return max(1, int(0.99 * num_steps))
 
     def check_sections(self, num_steps: int) -> None:
         """Checks across sections: the "schedule" levels are distinct times of the rollout's schedule."""
-        if self.name != "grpo" and self.levels == "schedule":
+        if self.name == "dgpo" and self.levels == "schedule":
+            check(self.dgpo_trunc_steps < num_steps, "objective.dgpo_trunc_steps",
+                  f"< sampling.num_steps={num_steps} (the levels are among the schedule's first trunc_steps + 1)",
+                  self.dgpo_trunc_steps)
+            check(self.levels_for(num_steps) <= self.dgpo_trunc_steps + 1, "objective.num_levels",
+                  f"<= objective.dgpo_trunc_steps + 1 = {self.dgpo_trunc_steps + 1} with objective.levels 'schedule'",
+                  self.num_levels)
+        if self.name in ("nft", "awm") and self.levels == "schedule":
             check(self.levels_for(num_steps) <= num_steps, "objective.num_levels",
                   f"<= sampling.num_steps={num_steps} with objective.levels 'schedule' (distinct schedule times)",
                   self.num_levels)
