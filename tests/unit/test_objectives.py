@@ -254,5 +254,5 @@ def test_checks_across_sections():
     with pytest.raises(ValueError, match=r"objective\.num_levels.*>= 3"):
         build_objective(ObjectiveConfig(name="awm", num_levels=2, shared_noise=True, jagg=True),
                         SamplingConfig(num_steps=6), None, None)
-    assert set(OBJECTIVES) == {"grpo", "nft", "awm"}
+    assert set(OBJECTIVES) == {"grpo", "nft", "awm", "dgpo", "flow_dppo"}
     assert ObjectiveConfig(name="nft").levels_for(10) == 9  # the NFT code's timestep_fraction 0.99 of 10 steps
