@@ -7,7 +7,9 @@ the weights, the optimizer state and every RNG stream stay as they were.
 
 Cost per check, for a micro-batch of m samples and T trained steps: T forwards with grad and T
 backward passes for the exact side, plus per window one batched anchor forward/backward and W - 2
-no-grad forwards for the JAGG side -- about one exact GRPO micro-batch update and a bit more.
+no-grad forwards for the JAGG side -- about one exact GRPO micro-batch update and a bit more. Under Flow-DPPO
+(``objective.name: flow_dppo``) it also logs ``exactness/mask_agreement``: how often its asymmetric mask at a routed
+window's interpolated means equals the exact per-step mask (W no-grad forwards per routed window more).
 """
 
 from __future__ import annotations
@@ -61,6 +63,14 @@ class ExactnessDiagnostics(L.Callback):
         self.history: list[list[WindowGradientCheck]] = []
         self._step = 0
 
+    def mask_agreement(self, pl_module) -> float | None:
+        """Flow-DPPO's mask at the routed windows' interpolated means against the exact per-step mask: the share of
+        (interior step, sample) pairs that agree (``FlowDPPOUpdater.mask_agreement``); None for other objectives."""
+        measure = getattr(pl_module.updater, "mask_agreement", None)
+        if measure is None or pl_module.last_rollout is None:
+            return None
+        return measure(pl_module.last_rollout, pl_module.plan.windows, self.max_samples)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._step += 1
         if (self._step - 1) % self.every_n_steps:
@@ -74,6 +84,9 @@ class ExactnessDiagnostics(L.Callback):
         values |= {f"exactness/rel_err_w{i}": c.rel_error for i, c in enumerate(checks)}
         values["exactness/cos_min"] = min(c.cosine for c in checks)
         values["exactness/score_error_spearman"] = spearman([c.score for c in every], [c.rel_error for c in every])
+        agreement = self.mask_agreement(pl_module)
+        if agreement is not None:
+            values["exactness/mask_agreement"] = agreement
         # rare metrics go straight to the loggers: self.log would drop them between log_every_n_steps
         for logger in trainer.loggers:
             logger.log_metrics({k: float(v) for k, v in values.items()}, step=trainer.global_step)

@@ -9,7 +9,7 @@ from typing import Literal
 
 from jagg_lightning.utils.checks import check, one_of
 
-OBJECTIVE_NAMES = ("grpo", "nft", "awm")
+OBJECTIVE_NAMES = ("grpo", "nft", "awm", "dgpo", "flow_dppo")
 LEVEL_DISTRIBUTIONS = ("schedule", "stratified", "uniform", "logit_normal")
 AWM_ADVANTAGES = ("clipped", "scaled")
 AWM_WEIGHTINGS = ("uniform", "t", "t2", "ghuber")
@@ -25,14 +25,15 @@ class ObjectiveConfig:
 
     Attributes:
         name: `grpo` (the default: the clipped-ratio policy gradient over the SDE steps, the `grpo` / `jagg`
-            sections), `nft` (DiffusionNFT, arXiv 2509.16117) or `awm` (Advantage Weighted Matching, arXiv
-            2509.25050).
+            sections), `nft` (DiffusionNFT, arXiv 2509.16117), `awm` (Advantage Weighted Matching, arXiv
+            2509.25050), `dgpo` (Direct Group Preference Optimization, arXiv 2510.08425: a forward-process objective)
+            or `flow_dppo` (Flow-DPPO, arXiv 2606.11025: GRPO's SDE steps with a divergence mask for the clip).
         num_levels: K noise levels per sample, an integer >= 1; null = int(0.99 num_steps) (the DiffusionNFT code's
-            `train.timestep_fraction` 0.99).
+            `train.timestep_fraction` 0.99), for dgpo 4 (its `num_train_timesteps`).
         levels: `schedule` (K distinct times of the rollout's own schedule, as the DiffusionNFT code), `stratified`
             (the schedule indices `level_range` cut into K consecutive strata as evenly as possible, one index drawn
-            uniformly in each: the AWM code's draw), `uniform` or `logit_normal` (t = sigmoid(N(0, 1)), SD3's
-            pretraining density); drawn per update, shared by its samples.
+            uniformly in each: the AWM code's draw; nft and awm), `uniform` or `logit_normal` (t = sigmoid(N(0, 1)),
+            SD3's pretraining density); drawn per update, shared by its samples.
         level_range: `stratified`'s schedule indices [first, last], inclusive (index 0 is t = 1); null = [1,
             num_steps - 1], every time but t = 1.
         level_shift: The shift s of `uniform` / `logit_normal` levels, t <- s t / (1 + (s - 1) t), > 0.
@@ -55,9 +56,19 @@ class ObjectiveConfig:
             +-`grpo.adv_clip`), or `scaled` (that divided by `grpo.adv_clip`, in [-1, 1]: the AWM code's
             clamp(A, -5, 5) / 5 with adv_clip 5). `scaled` keeps the policy term's size against the KL term and the
             gradient-norm clip as the code has it; `clipped` makes it adv_clip times larger.
+        dgpo_beta: DGPO's DPO temperature of the group preference, > 0 (its `train.beta_dpo` 100).
+        dgpo_clip_range: DGPO's PPO-style clip of the matching loss against theta_old, > 0, or null for none
+            (its GenEval recipe's `clip_range` 0.01 with `clip_dsm`).
+        dgpo_trunc_steps: With `levels` `schedule`, DGPO draws its levels among the schedule's first
+            dgpo_trunc_steps + 1 times (the high-noise ones), an integer >= 0 (its `trunc_steps` 4).
+        dgpo_old_rollout_after: The training step after which DGPO's rollout samples theta_old instead of theta,
+            an integer >= 0 (its `switch_ema_ref` 500).
+        dgpo_group_noise: DGPO's samples of one group share one eps per level (its `use_shared_noise`).
+        dppo_threshold: Flow-DPPO's trust region delta on the exact per-step KL D_k: a sample moving away from
+            theta_old with D_k >= delta is dropped, >= 0 (verl-omni's and UniRL's `kl_mask_threshold` 1e-5).
     """
 
-    name: Literal["grpo", "nft", "awm"] = "grpo"
+    name: Literal["grpo", "nft", "awm", "dgpo", "flow_dppo"] = "grpo"
     num_levels: int | None = None
     levels: Literal["schedule", "stratified", "uniform", "logit_normal"] = "schedule"
     level_range: list[int] | None = None
@@ -72,6 +83,12 @@ class ObjectiveConfig:
     awm_weighting: Literal["uniform", "t", "t2", "ghuber"] = "uniform"
     awm_ghuber_power: float = 0.25
     awm_advantage: Literal["clipped", "scaled"] = "clipped"
+    dgpo_beta: float = 100.0
+    dgpo_clip_range: float | None = 0.01
+    dgpo_trunc_steps: int = 4
+    dgpo_old_rollout_after: int = 500
+    dgpo_group_noise: bool = True
+    dppo_threshold: float = 1e-5
 
     def __post_init__(self):
         check(self.name in OBJECTIVE_NAMES, "objective.name", one_of(OBJECTIVE_NAMES), self.name)
@@ -96,13 +113,27 @@ class ObjectiveConfig:
               self.awm_advantage)
         check(self.awm_weighting in AWM_WEIGHTINGS, "objective.awm_weighting", one_of(AWM_WEIGHTINGS),
               self.awm_weighting)
+        check(self.dgpo_beta > 0, "objective.dgpo_beta", "> 0", self.dgpo_beta)
+        check(self.dgpo_clip_range is None or self.dgpo_clip_range > 0, "objective.dgpo_clip_range", "> 0 or null",
+              self.dgpo_clip_range)
+        for field in ("dgpo_trunc_steps", "dgpo_old_rollout_after"):
+            value = getattr(self, field)
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, f"objective.{field}",
+                  "an integer >= 0", value)
+        check(isinstance(self.dgpo_group_noise, bool), "objective.dgpo_group_noise", "true or false",
+              self.dgpo_group_noise)
+        check(self.dppo_threshold >= 0, "objective.dppo_threshold", ">= 0", self.dppo_threshold)
         check(not self.jagg or self.shared_noise, "objective.jagg",
               "false unless objective.shared_noise is true (JAGG needs every level of a sample on one line "
               "z_t = (1 - t) x0 + t eps, so one eps per sample)", self.jagg)
 
     def levels_for(self, num_steps: int) -> int:
-        """K: ``num_levels``, or int(0.99 num_steps) (at least 1)."""
-        return self.num_levels if self.num_levels is not None else max(1, int(0.99 * num_steps))
+        """K: ``num_levels``, or int(0.99 num_steps) (at least 1; dgpo: 4, at most its schedule's choice)."""
+        if self.num_levels is not None:
+            return self.num_levels
+        if self.name == "dgpo":
+            return min(4, num_steps, self.dgpo_trunc_steps + 1)
+        return max(1, int(0.99 * num_steps))
 
     def level_indices(self, num_steps: int) -> tuple[int, int]:
         """`stratified`'s schedule indices [first, last]: ``level_range`` or [1, num_steps - 1]."""
@@ -110,12 +141,21 @@ class ObjectiveConfig:
 
     def check_sections(self, num_steps: int) -> None:
         """Checks across sections: the "schedule" levels are distinct times of the rollout's schedule; the
-        "stratified" ones need a stratum (an index) per level within the schedule."""
-        if self.name != "grpo" and self.levels == "schedule":
+        "stratified" ones need a stratum (an index) per level within the schedule (nft and awm)."""
+        if self.name == "dgpo" and self.levels == "schedule":
+            check(self.dgpo_trunc_steps < num_steps, "objective.dgpo_trunc_steps",
+                  f"< sampling.num_steps={num_steps} (the levels are among the schedule's first trunc_steps + 1)",
+                  self.dgpo_trunc_steps)
+            check(self.levels_for(num_steps) <= self.dgpo_trunc_steps + 1, "objective.num_levels",
+                  f"<= objective.dgpo_trunc_steps + 1 = {self.dgpo_trunc_steps + 1} with objective.levels 'schedule'",
+                  self.num_levels)
+        check(not (self.name == "dgpo" and self.levels == "stratified"), "objective.levels",
+              "schedule, uniform or logit_normal with objective.name 'dgpo'", self.levels)
+        if self.name in ("nft", "awm") and self.levels == "schedule":
             check(self.levels_for(num_steps) <= num_steps, "objective.num_levels",
                   f"<= sampling.num_steps={num_steps} with objective.levels 'schedule' (distinct schedule times)",
                   self.num_levels)
-        if self.name != "grpo" and self.levels == "stratified":
+        if self.name in ("nft", "awm") and self.levels == "stratified":
             first, last = self.level_indices(num_steps)
             check(last <= num_steps - 1, "objective.level_range", f"indices <= sampling.num_steps - 1 = "
                   f"{num_steps - 1} (the schedule's times t_0 = 1 .. t_{num_steps - 1})", [first, last])

@@ -53,6 +53,7 @@ class MatchingPoint:
     advantages: Tensor
     v_old: Tensor | None = None
     v_ref: Tensor | None = None
+    groups: Tensor | None = None  # [B] each sample's group (its prompt's row in the step: rollout row // group size)
 
 
 def per_sample_mean(x: Tensor) -> Tensor:
@@ -70,6 +71,7 @@ class ForwardProcessObjective(Objective):
 
     default_kl_beta: ClassVar[float] = 0.0
     keeps_old_policy: ClassVar[bool] = False  # whether the loss reads theta_old's velocity
+    needs_reference: ClassVar[bool] = False  # whether the loss reads the reference velocity even with kl_beta 0
 
     @property
     def kl_beta(self) -> float:
@@ -89,6 +91,14 @@ class ForwardProcessObjective(Objective):
         """theta_old <- d theta_old + (1 - d) theta after a training step that ends at ``optimizer_steps`` (None: no
         theta_old kept)."""
         return None
+
+    def rollout_with_old(self, step: int) -> bool:
+        """Whether training step ``step``'s rollout samples theta_old (when one is kept) rather than theta."""
+        return True
+
+    def level_schedule(self, times: Tensor) -> Tensor:
+        """The schedule the "schedule" levels are drawn from (all of the rollout's times by default)."""
+        return times
 
     def check(self, sampling, grpo, jagg) -> None:
         self.config.check_sections(sampling.num_steps)
@@ -183,7 +193,8 @@ class ForwardProcessUpdater(Updater):
         report = StepReport(cond)
         self.guard.start_rollout(indices, self.sampler.device)
         kinds = ["ode"] * self.sampling.num_steps
-        with old.applied() if old is not None else nullcontext():  # the rollout samples theta_old
+        # the rollout samples theta_old (DGPO: only from a given step on)
+        with old.applied() if old is not None and self.objective.rollout_with_old(step) else nullcontext():
             rollout = self.sampler.rollout(cond, indices, step, kinds)
             for index, scored in enumerate(self.sampler.scored(rollout, reward, sample_prompts, None)):
                 hooks.safe_point(f"rollout micro-batch {index + 1} (sampled and scored)")
@@ -208,12 +219,12 @@ class ForwardProcessUpdater(Updater):
         updates = 0
         for epoch in range(self.grpo.inner_epochs):
             eps = self.noise(indices, step, epoch, K, x0)
-            epoch_updates = shuffled_updates(num, self.grpo, shuffle, self.sampler.device)
+            epoch_updates = self.epoch_updates(num, shuffle)
             for group in epoch_updates:
                 update_size = sum(len(m) for m in group)
                 gen = torch.Generator().manual_seed(sample_seed(self.sampling.seed, step, _LEVEL_STREAM, epoch, updates))
-                times = noise_levels(self.config.levels, K, self.sampler.times.cpu(), self.config.level_shift, gen,
-                                     self.config.level_indices(self.sampling.num_steps))
+                times = noise_levels(self.config.levels, K, self.objective.level_schedule(self.sampler.times.cpu()),
+                                     self.config.level_shift, gen, self.config.level_indices(self.sampling.num_steps))
                 with hooks.collectives.local_backward():
                     for index in group:
                         self.guard.train(index)
@@ -228,6 +239,10 @@ class ForwardProcessUpdater(Updater):
         report.exact_backwards = K * report.micro_batches
         report.windows = self.level_windows(K)  # train/routed_frac and RoutingStats read these, not the GRPO plan's
         return updates
+
+    def epoch_updates(self, num: int, shuffle: torch.Generator) -> list[list[Tensor]]:
+        """One inner epoch's updates: lists of micro-batches (row indices of the rollout)."""
+        return shuffled_updates(num, self.grpo, shuffle, self.sampler.device)
 
     def noise(self, indices: list[int], step: int, epoch: int, K: int, like: Tensor) -> Tensor:
         """eps [N, K or 1, ...]: each sample's own generator (seed, step, prompt index, sample index), per epoch."""
@@ -252,15 +267,16 @@ class ForwardProcessUpdater(Updater):
             with torch.no_grad(), old.applied():
                 old_v = [self.sampler.velocity(latents[k], t[k].expand(x0.shape[0]), cond) for k in range(K)]
             forwards += K
-        if self.objective.kl_beta > 0:
+        if self.objective.kl_beta > 0 or self.objective.needs_reference:
             with torch.no_grad():
                 ref_v = [self.sampler.reference_velocity(latents[k], t[k].expand(x0.shape[0]), cond) for k in range(K)]
             report.reference_forwards += K
         scale = x0.shape[0] / (update_size * K)
+        groups = samples // self.sampling.group_size
 
         def loss_of_point(k: int, v: Tensor) -> Tensor:
             point = MatchingPoint(x0, noise[k], t[k], latents[k], advantages,
-                                  None if old_v is None else old_v[k], None if ref_v is None else ref_v[k])
+                                  None if old_v is None else old_v[k], None if ref_v is None else ref_v[k], groups)
             loss, stats = self.objective.point_loss(v.to(x0.dtype), point)
             report.stats.append((k, stats))
             self.guard.check_loss(samples, loss)

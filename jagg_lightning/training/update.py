@@ -191,6 +191,15 @@ class Updater:
         return forwards
 
     # ------------------------------------------------------------------ the engine
+    reads_old_velocity = False  # whether the step loss reads the rollout's velocity (Flow-DPPO's mask: always)
+
+    def record_loss(self, v: Tensor, record: StepRecord):
+        """One trained step's per-sample loss [B] and its statistics: GRPO's clipped surrogate (``grpo`` section);
+        an objective with another per-step loss (Flow-DPPO) overrides this alone."""
+        kind, g, s = self.sampling.step_kind, self.grpo, self.sampling
+        return step_loss(v, record, kind, s.noise_level, g.clip_range, g.kl_beta, s.cps_log_prob, g.kl_convention,
+                         g.ratio_norm, g.ratio_reweight)
+
     def step_loss_fn(self, mb: Trajectory, advantages: Tensor, ref_v: Tensor | None, scale: float, stats: list,
                      samples: Tensor | None = None):
         """(k, v) -> this micro-batch's step-k share of the objective; appends (k, stats) to ``stats``. ``samples``:
@@ -204,11 +213,10 @@ class Updater:
         def loss_of_step(k: int, v: Tensor) -> Tensor:
             record = StepRecord(
                 mb.latents[k], mb.latents[k + 1], times[k], times[k + 1], mb.log_probs[k],
-                advantages, None if ref_v is None else ref_v[k], mb.velocities[k] if g.ratio_norm else None,
-                weights.get(k, 1.0),
+                advantages, None if ref_v is None else ref_v[k],
+                mb.velocities[k] if g.ratio_norm or self.reads_old_velocity else None, weights.get(k, 1.0),
             )
-            loss, st = step_loss(v, record, kind, s.noise_level, g.clip_range, g.kl_beta, s.cps_log_prob,
-                                 g.kl_convention, g.ratio_norm, g.ratio_reweight)
+            loss, st = self.record_loss(v, record)
             stats.append((k, st))
             if samples is not None:
                 self.guard.check_loss(samples, loss)

@@ -88,6 +88,12 @@ REFERENCE = {
                         "objective_kl_beta": 0.0, "ode_solver": "dpmpp_2m"},
     "digits_awm.yaml": {"family": "sd3", "num_steps": 10, "objective": "awm", "num_levels": 9,
                         "awm_weighting": "uniform", "objective_kl_beta": 0.0},
+    # issue 57: DGPO's config/dgpo.py geneval_sd3_4gpu; Flow-DPPO's verl-omni / UniRL defaults with JAGG (unfused)
+    "digits_dgpo.yaml": {"family": "sd3", "num_steps": 10, "objective": "dgpo", "num_levels": 4, "dgpo_beta": 100.0,
+                         "dgpo_clip_range": 0.01, "dgpo_trunc_steps": 4, "objective_kl_beta": 0.02,
+                         "ode_solver": "dpmpp_2m", "adv_std": "group"},
+    "digits_flow_dppo.yaml": {"family": "sd3", "num_steps": 10, "objective": "flow_dppo", "dppo_threshold": 1e-5,
+                              "kl_beta": 0.0, "window_size": 5, "fused_rollout": False, "micro_batches_per_update": 2},
     "z_image_turbo.yaml": {"family": "z_image", "num_steps": 6, "guidance_scale": 1.0, "eval_guidance_scale": 1.0,
                            "noise_level": 0.7, "sde_window_size": 3, "sde_window_range": [1, 4], "window_size": 3},
 }
@@ -136,5 +142,9 @@ def test_preset_builds_everything_but_the_weights(preset, monkeypatch, tmp_path)
 "objective": module.objective.config.name, "num_levels": module.objective.config.num_levels,
              "nft_beta": module.objective.config.nft_beta, "nft_decay_type": module.objective.config.nft_decay_type,
              "nft_adv_clip": module.objective.config.nft_adv_clip, "awm_weighting": module.objective.config.awm_weighting,
-             "objective_kl_beta": module.objective.config.kl_beta, "ode_solver": module.sampling.ode_solver}
+             "objective_kl_beta": module.objective.config.kl_beta, "ode_solver": module.sampling.ode_solver,
+             "dgpo_beta": module.objective.config.dgpo_beta, "dgpo_clip_range": module.objective.config.dgpo_clip_range,
+             "dgpo_trunc_steps": module.objective.config.dgpo_trunc_steps,
+             "dppo_threshold": module.objective.config.dppo_threshold, "fused_rollout": module.jagg.fused_rollout,
+             "micro_batches_per_update": module.grpo.micro_batches_per_update}
     assert {k: found[k] for k in expected} == expected

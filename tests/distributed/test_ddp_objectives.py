@@ -1,5 +1,7 @@
-"""Two CPU processes train a forward-process objective exactly like one process on the union of their prompts:
-under Lightning's DDP (DiffusionNFT with a lagging theta_old and JAGG over its noise levels) and under FSDP2 (NFT and
+"""Two CPU processes train an objective exactly like one process on the union of their prompts: under Lightning's DDP
+(DiffusionNFT with a lagging theta_old and JAGG over its noise levels; DGPO with a lagging theta_old sampling the
+rollout, its groups and group noise; Flow-DPPO through routed JAGG windows over two inner epochs, where its mask acts)
+and under FSDP2 (NFT and
 AWM, each also resumed under FSDP2 from a mid-run checkpoint, theta_old included, to the uninterrupted weights). The
 levels are drawn per update from (seed, step), each sample's noise from its own generator, the advantages' std
 all-reduced."""
@@ -39,8 +41,8 @@ DDP_RUN = textwrap.dedent('''
     import lightning as L
     from safetensors.torch import save_file
     from jagg_lightning.data import PromptDataModule
-    from test_ddp_objectives import PROMPTS, make
-    module = make(int(sys.argv[2]))
+    from test_ddp_objectives import PROMPTS, make, make_new
+    module = make(int(sys.argv[2])) if NAME == "nft" else make_new(int(sys.argv[2]), NAME)
     trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=2, strategy="ddp", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, PromptDataModule(prompts=PROMPTS, batch_size=1, shuffle=False))
@@ -51,13 +53,31 @@ DDP_RUN = textwrap.dedent('''
 ''')
 
 
-def test_ddp_objective_matches_single_process(tmp_path, rng_seed):
+def make_new(seed, name):
+    """DGPO (3 of the 4 schedule levels, theta_old sampling from step 1) or Flow-DPPO (W = 3 routed, threshold 0: the
+    mask drops every step moving away), each with two inner epochs (the second update reads theta != theta_old)."""
+    objective = (ObjectiveConfig(name="dgpo", num_levels=3, dgpo_trunc_steps=3, dgpo_old_rollout_after=0)
+                 if name == "dgpo" else ObjectiveConfig(name="flow_dppo", dppo_threshold=0.0))
+    module = JAGGModule(tiny_policy_config(dtype="float64", resolution=64),
+                        SamplingConfig(num_steps=4, group_size=2, rollout_batch_size=2),
+                        GRPOConfig(train_batch_size=2, inner_epochs=2),
+                        JAGGConfig(window_size=3, jagg_frac=1.0) if name == "flow_dppo" else JAGGConfig(window_size=2),
+                        optimizer=sgd, reward=float64_reward("float64"), seed=seed, objective=objective)
+    module.configure_model()
+    randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
+    return module
+
+
+@pytest.mark.parametrize("name", ["nft", "dgpo", "flow_dppo"])
+def test_ddp_objective_matches_single_process(name, tmp_path, rng_seed):
     seed = rng_seed % 10_000
-    rank0, rank1 = lightning_ddp_weights(tmp_path, DDP_RUN, seed, timeout=900)
-    single = make(seed)
+    build = make if name == "nft" else (lambda s: make_new(s, name))
+    script = f"NAME = {name!r}\n" + DDP_RUN
+    rank0, rank1 = lightning_ddp_weights(tmp_path, script, seed, timeout=900)
+    single = build(seed)
     L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False).fit(single, PromptDataModule(prompts=PROMPTS, batch_size=2, shuffle=False))
-    initial = make(seed)
+    initial = build(seed)
     moved = 0
     for name, p in single.named_parameters():
         if p.requires_grad:

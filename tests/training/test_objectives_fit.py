@@ -1,5 +1,6 @@
 """The forward-process objectives through the Lightning Trainer (``model.objective``): a DiffusionNFT run with a
-lagging theta_old resumes from a mid-run checkpoint bit for bit (theta_old is in the checkpoint); the first update's
+lagging theta_old resumes from a mid-run checkpoint bit for bit (theta_old is in the checkpoint), and so do DGPO (its
+theta_old, its rollout under theta_old) and Flow-DPPO; the first update's
 theta_old convention (theta_old = theta: no forward of its own) and its lag afterwards, counted in the logged passes;
 JAGG over the levels makes one backward per micro-batch where the exact update makes K."""
 
@@ -81,3 +82,30 @@ def test_jagg_over_levels_through_the_trainer(tmp_path):
         assert module.exact_backwards == 2 * LEVELS
         assert [w.steps for w in module.windows] == [tuple(range(LEVELS))]
     assert counts == {False: (0.0, 2 * LEVELS, 0.0), True: (2 * (LEVELS - 2), 2.0, 1.0)}
+
+
+NEW = {  # DGPO: theta_old lags from step 1 (d = 0.001 n) and samples the rollout from step 2; Flow-DPPO: no state
+    "dgpo": dict(name="dgpo", num_levels=LEVELS, dgpo_trunc_steps=3, dgpo_old_rollout_after=1),
+    "flow_dppo": dict(name="flow_dppo", dppo_threshold=0.0),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(NEW))
+def test_dgpo_and_flow_dppo_resume_exactly(name, tmp_path):
+    """3 steps straight, or 2 then a resume from the step-2 checkpoint: the same rewards, passes and weights bit for
+    bit (DGPO's theta_old, which differs from theta after step 1, comes back from the checkpoint)."""
+    seed = random.randrange(10_000)
+    full_rows, full_weights, _ = run(seed, tmp_path / "full", 3, NEW[name])
+    ckpt = tmp_path / "ckpt"
+    first_rows, _, _ = run(seed, tmp_path / "first", 2, NEW[name],
+                           ModelCheckpoint(dirpath=ckpt, every_n_train_steps=2, save_top_k=-1))
+    [path] = ckpt.glob("*.ckpt")
+    saved = torch.load(path, weights_only=True)["jagg"]["objective"]
+    if name == "dgpo":
+        assert any(not torch.equal(s, w) for s, w in zip(saved["old_policy"], full_weights))
+    second_rows, second_weights, _ = run(seed, tmp_path / "second", 3, NEW[name], ckpt_path=str(path))
+    assert first_rows + second_rows == full_rows
+    assert any(not torch.equal(a, b) for a, b in zip(full_weights, run(seed, tmp_path / "one", 1, NEW[name])[1]))
+    for a, b in zip(second_weights, full_weights):
+        assert torch.equal(a, b)

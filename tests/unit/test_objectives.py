@@ -132,6 +132,7 @@ def test_loss_and_gradient_equal_the_papers_formula(case, tiny_sd3, rng_seed):
 def toy_points(model, config, gen):
     """K levels of B toy samples on one line each (one eps per sample), the objective's loss per level."""
     objective = build_objective(config)
+    objective.group_size = B  # DGPO's group weight: the B samples are one group
     shape = (B, *model.shape)
     x0, eps = torch.randn(shape, generator=gen, dtype=torch.float64), torch.randn(shape, generator=gen, dtype=torch.float64)
     times = noise_levels("logit_normal", K + 2, torch.ones(2), 1.0, gen)
@@ -140,16 +141,17 @@ def toy_points(model, config, gen):
     v_old = [model(latents[k], times[k].expand(B)).detach() + 0.1 for k in range(len(times))]
 
     def loss(k, v):
-        point = MatchingPoint(x0, eps, times[k], latents[k], adv, v_old[k])
+        point = MatchingPoint(x0, eps, times[k], latents[k], adv, v_old[k], v_old[k] - 0.2, torch.zeros(B, dtype=int))
         return objective.point_loss(v, point)[0].mean()
 
     return latents, times, loss
 
 
-@pytest.mark.parametrize("name", ["nft", "awm"])
+@pytest.mark.parametrize("name", ["nft", "awm", "dgpo"])
 def test_jagg_over_noise_levels_is_exact_on_the_affine_toy(name, rng_seed):
     """z_t = (1 - t) x0 + t eps is on the chord between the extreme levels, so for a velocity affine in (z, t) the
-    interpolated Jacobian is exact: JAGG = the K-pass gradient (< 1e-10); with a sinusoidal time embedding it is not."""
+    interpolated Jacobian is exact: JAGG = the K-pass gradient (< 1e-10); with a sinusoidal time embedding it is not.
+    (DGPO: its group weights held fixed, as the released code holds them; a reference and a lagging theta_old.)"""
     gen = torch.Generator().manual_seed(rng_seed)
     config = ObjectiveConfig(name=name, shared_noise=True, jagg=True, num_levels=K + 2)
     errors = {}
@@ -252,5 +254,5 @@ def test_checks_across_sections():
     with pytest.raises(ValueError, match=r"objective\.num_levels.*>= 3"):
         build_objective(ObjectiveConfig(name="awm", num_levels=2, shared_noise=True, jagg=True),
                         SamplingConfig(num_steps=6), None, None)
-    assert set(OBJECTIVES) == {"grpo", "nft", "awm"}
+    assert set(OBJECTIVES) == {"grpo", "nft", "awm", "dgpo", "flow_dppo"}
     assert ObjectiveConfig(name="nft").levels_for(10) == 9  # the NFT code's timestep_fraction 0.99 of 10 steps
