@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import lightning as L
 
+from jagg_lightning.callbacks.summary import KeptEvaluations
+
 from jagg_lightning.rewards.digits import DigitReward
 from jagg_lightning.testbed.judge import JUDGE_PATH, DigitJudge, load_judge
 
 
-class DigitAccuracy(L.Callback):
+class DigitAccuracy(KeptEvaluations, L.Callback):
     """Held-out prompt-following accuracy on the digits test bed, during fit and in validate / test.
 
     ``history`` keeps (global step, accuracy, reward) of every evaluation, ``results`` the whole result of each
@@ -51,7 +53,6 @@ class DigitAccuracy(L.Callback):
         self.results: list[dict] = []
         self.evaluations: list[tuple[int, dict[str, float]]] = []  # (step, what was logged): RunSummary reads it
         self.base_result: dict | None = None  # the base model (adapter off), measured once, for sample grids
-        self._step = 0
 
     def evaluate(self, trainer, pl_module, log: bool = True) -> dict:
         from jagg_lightning.testbed.evaluate import heldout_accuracy
@@ -107,11 +108,10 @@ class DigitAccuracy(L.Callback):
                 adapter=False)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._step += 1
-        if self._step % self.every_n_steps == 0:
+        if pl_module.rollouts_done % self.every_n_steps == 0:  # the run's step count: a resumed fit keeps the schedule
             self.evaluate(trainer, pl_module)
             pl_module.log("val_acc", self.history[-1][1], prog_bar=True, logger=False)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        if self._step % self.every_n_steps:
+        if pl_module.rollouts_done % self.every_n_steps:
             self.evaluate(trainer, pl_module)

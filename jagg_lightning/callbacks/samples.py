@@ -79,7 +79,6 @@ class SampleImages(L.Callback):
         self.last_grid: np.ndarray | None = None
         self.last_marks: GridMarks | None = None
         self.last_layout: LabelledGrid | None = None
-        self._step = 0
 
     @torch.no_grad()
     def sample_cells(self, pl_module) -> list[torch.Tensor]:
@@ -148,10 +147,9 @@ class SampleImages(L.Callback):
         self.written.append(write_image(trainer, path, "samples", labelled_grid(*args)))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._step += 1
-        if self._step % self.every_n_steps == 0:
+        if pl_module.rollouts_done % self.every_n_steps == 0:  # the run's step count: a resumed fit keeps the schedule
             self._write(trainer, pl_module)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        if self._step % self.every_n_steps:
+        if pl_module.rollouts_done % self.every_n_steps:
             self._write(trainer, pl_module)

@@ -42,6 +42,27 @@ def _list(folder: Path, names: list[str]) -> str:
     return f"{folder}/: {shown}"
 
 
+def merged_evaluations(kept: list, current: list) -> list[tuple[int, dict[str, float]]]:
+    """A checkpoint's (step, {name: value}) evaluations before this run's, by step (a step evaluated by both, as the
+    step a fit resumes at, once: this run's value)."""
+    by_step = {int(step): dict(values) for step, values in kept}
+    by_step.update({int(step): dict(values) for step, values in current})
+    return sorted(by_step.items())
+
+
+class KeptEvaluations:
+    """A callback's ``evaluations`` kept in the checkpoint, so that a resumed fit's summary starts at the earlier run's
+    first evaluation (its step 0), not at the step it resumed from. Mixed into the evaluation callbacks."""
+
+    evaluations: list[tuple[int, dict[str, float]]]
+
+    def state_dict(self) -> dict:
+        return {"evaluations": [(step, dict(values)) for step, values in self.evaluations]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.evaluations = merged_evaluations(state_dict.get("evaluations", []), self.evaluations)
+
+
 class RunSummary(L.Callback):
     """What a run came to: its metrics first to last, its time and where its files are, printed at its end.
 
@@ -63,13 +84,31 @@ class RunSummary(L.Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._start = (time.time(), time.perf_counter(), time.process_time())
         self._first_step, self._done, self.series, self._resumed = trainer.global_step, False, {}, None
+        self._last_step = trainer.global_step
         self._log_dir = log_dir(trainer) if trainer.loggers else None  # on every process: it broadcasts
+        self.earlier_logs: list[tuple[int, int, str]] = []  # (first step, last step, logs folder) of resumed runs
+
+    def state_dict(self) -> dict:
+        """What a resumed fit's summary needs of the runs before it: their metrics and where their logs are."""
+        logs = list(self.earlier_logs)
+        if self._log_dir is not None:
+            logs.append((self._first_step, self._last_step, str(self._log_dir)))
+        return {"series": {name: dict(values) for name, values in self.series.items()}, "logs": logs}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for name, values in state_dict.get("series", {}).items():
+            self.series[name] = {int(step): float(v) for step, v in values.items()} | self.series.get(name, {})
+        self.earlier_logs = [(int(a), int(b), str(folder)) for a, b, folder in state_dict.get("logs", [])
+                             if self._log_dir is None or Path(folder) != self._log_dir]
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._first_step = trainer.global_step  # after a checkpoint is restored
+        self._first_step = self._last_step = trainer.global_step  # after a checkpoint is restored
         self._resumed = (trainer.ckpt_path, trainer.global_step) if trainer.ckpt_path else None
         if self._resumed and trainer.is_global_zero:
             self.print_fn(f"jagg fit: resuming from step {trainer.global_step} of {trainer.ckpt_path}")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._last_step = trainer.global_step
 
     def _record(self, trainer) -> None:
         for name, value in trainer.callback_metrics.items():
@@ -113,9 +152,7 @@ class RunSummary(L.Callback):
         lines += self.metric_lines(steps=fn == "fit")
         if fn == "fit":
             lines += self.adapter_lines(trainer) + self.checkpoint_lines(trainer)
-        if self._log_dir is not None:
-            csv = any(isinstance(logger, CSVLogger) for logger in trainer.loggers)
-            lines.append(f"  {'logs':<12} {self._log_dir}/" + (" (metrics.csv)" if csv else ""))
+        lines += self.log_lines(trainer, fn == "fit")
         lines += self.picture_lines(trainer)
         return lines
 
@@ -161,6 +198,18 @@ class RunSummary(L.Callback):
         if self._resumed:  # where this run took up an earlier one (a Preemption checkpoint, too)
             lines.insert(0, f"resumed from {self._resumed[0]} (step {self._resumed[1]})")
         return [f"  {'checkpoints' if i == 0 else '':<12} {line}" for i, line in enumerate(lines)]
+
+    def log_lines(self, trainer, fit: bool) -> list[str]:
+        """Where the logs are; after a resume, which folder holds which steps (each run writes a folder of its own:
+        Lightning's loggers start a new version rather than append to the earlier one)."""
+        if self._log_dir is None:
+            return []
+        csv = " (metrics.csv)" if any(isinstance(logger, CSVLogger) for logger in trainer.loggers) else ""
+        if not (fit and self.earlier_logs):
+            return [f"  {'logs':<12} {self._log_dir}/{csv}"]
+        runs = [*self.earlier_logs, (self._first_step, trainer.global_step, str(self._log_dir))]
+        return [f"  {'logs' if i == 0 else '':<12} {folder}/{csv}: steps {first} → {last}"
+                for i, (first, last, folder) in enumerate(runs)]
 
     def picture_lines(self, trainer) -> list[str]:
         """The pictures this run wrote: the callbacks' ``written`` lists and what is new in the log directory."""
