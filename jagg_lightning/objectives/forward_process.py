@@ -69,6 +69,7 @@ class ForwardProcessObjective(Objective):
     """An objective whose loss is a sum over points of the forward process of each rollout sample."""
 
     default_kl_beta: ClassVar[float] = 0.0
+    routes_sde_windows: ClassVar[bool] = False  # its windows are noise levels, not the rollout's timesteps
     keeps_old_policy: ClassVar[bool] = False  # whether the loss reads theta_old's velocity
 
     @property
