@@ -16,6 +16,7 @@ from jagg_lightning.callbacks.summary import KeptEvaluations
 
 from jagg_lightning.rewards.digits import DigitReward
 from jagg_lightning.testbed.judge import JUDGE_PATH, DigitJudge, load_judge
+from jagg_lightning.utils.timing import CLOCK
 
 
 class DigitAccuracy(KeptEvaluations, L.Callback):
@@ -60,8 +61,9 @@ class DigitAccuracy(KeptEvaluations, L.Callback):
         if self.reward is None:
             self.reward = DigitReward(self.classifier_path).to(pl_module.device)
             self.judge = load_judge(self.judge_path or JUDGE_PATH).to(pl_module.device)
-        result = heldout_accuracy(pl_module, self.reward, self.prompts, self.samples_per_prompt, self.seed,
-                                  self.num_steps, judge=self.judge)
+        with CLOCK.phase("evaluation"):
+            result = heldout_accuracy(pl_module, self.reward, self.prompts, self.samples_per_prompt, self.seed,
+                                      self.num_steps, judge=self.judge)
         step = trainer.global_step
         self.history.append((step, result["accuracy"], result["reward"]))
         self.results.append(result)

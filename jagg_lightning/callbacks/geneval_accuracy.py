@@ -20,6 +20,7 @@ from __future__ import annotations
 import lightning as L
 
 from jagg_lightning.callbacks.summary import KeptEvaluations
+from jagg_lightning.utils.timing import CLOCK
 
 
 class GenEvalAccuracy(KeptEvaluations, L.Callback):
@@ -75,7 +76,8 @@ class GenEvalAccuracy(KeptEvaluations, L.Callback):
 
         if self.reward is None:
             self.reward = GenEvalReward(**self.reward_args).to(pl_module.device)
-        images = sample_images(pl_module, self.prompts, self.samples_per_prompt, self.seed, self.num_steps)
+        with CLOCK.phase("evaluation"):
+            images = sample_images(pl_module, self.prompts, self.samples_per_prompt, self.seed, self.num_steps)
         per_sample = [p for p in self.prompts for _ in range(self.samples_per_prompt)]
         judged = self.reward.judge_images(images, per_sample)
         stage = "test" if trainer.state.fn == "test" else "val"

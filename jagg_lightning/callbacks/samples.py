@@ -15,6 +15,7 @@ from jagg_lightning.training.grids import (
     GridMarks, LabelledGrid, count_right, grid_layout, image_grid, labelled_grid, reward_marks, with_sources,
 )
 from jagg_lightning.training.images import log_dir, write_image
+from jagg_lightning.utils.timing import CLOCK
 
 
 class SampleImages(L.Callback):
@@ -127,6 +128,10 @@ class SampleImages(L.Callback):
                 for row in marks.correct]
 
     def _write(self, trainer, pl_module) -> None:
+        with CLOCK.phase("evaluation"):
+            self._write_grid(trainer, pl_module)
+
+    def _write_grid(self, trainer, pl_module) -> None:
         cells, per = self.sample_cells(pl_module), self.samples_per_prompt
         columns = 2 * per
         rows = [cells[i:i + columns] for i in range(0, len(cells), columns)]

@@ -1,6 +1,6 @@
 """What a run came to, printed once at its end (rank 0), below the finished progress bar: every ``val/*`` (``test/*``)
-metric first -> last, the wall and CPU time, and where the adapter, the checkpoints (the one a resumed fit started from
-among them), the logs and the images are. A resumed fit says so as it starts: ``jagg fit: resuming from step N of
+metric first -> last, the wall and CPU time, where the adapter, the checkpoints (the one a resumed fit started from
+among them), the logs and the images are, and where the training time went (``StepTimes``' shares). A resumed fit says so as it starts: ``jagg fit: resuming from step N of
 <checkpoint>``."""
 
 from __future__ import annotations
@@ -48,6 +48,20 @@ def merged_evaluations(kept: list, current: list) -> list[tuple[int, dict[str, f
     by_step = {int(step): dict(values) for step, values in kept}
     by_step.update({int(step): dict(values) for step, values in current})
     return sorted(by_step.items())
+
+
+def run_metrics(trainer) -> dict[str, dict[int, float]]:
+    """Every evaluation metric of the run so far, {name: {step: value}}: what ``RunSummary`` recorded (the ``val/*``
+    of each validation loop, and of the runs a resumed fit continues) and every callback's ``evaluations``."""
+    series: dict[str, dict[int, float]] = {}
+    for callback in trainer.callbacks:
+        for name, values in (getattr(callback, "series", None) if isinstance(callback, RunSummary) else {}).items():
+            series.setdefault(name, {}).update(values)
+    for callback in trainer.callbacks:
+        for step, values in getattr(callback, "evaluations", None) or []:
+            for name, value in values.items():
+                series.setdefault(name, {})[step] = float(value)
+    return series
 
 
 class KeptEvaluations:
@@ -131,10 +145,7 @@ class RunSummary(L.Callback):
         if not (self._done and trainer.is_global_zero):
             return
         self._done = False
-        for callback in trainer.callbacks:
-            for step, values in getattr(callback, "evaluations", None) or []:
-                for name, value in values.items():
-                    self.series.setdefault(name, {})[step] = float(value)
+        self.series = run_metrics(trainer)
         finish_progress_bar(trainer, pl_module)  # these lines below the finished bar
         self.lines = self.summary(trainer, pl_module)
         self.print_fn("\n".join(self.lines))
@@ -154,7 +165,7 @@ class RunSummary(L.Callback):
             lines += self.adapter_lines(trainer) + self.checkpoint_lines(trainer)
         lines += self.log_lines(trainer, fn == "fit")
         lines += self.picture_lines(trainer)
-        return lines
+        return lines + self.time_lines(trainer) if fn == "fit" else lines
 
     def metric_lines(self, steps: bool = True) -> list[str]:
         """One line per metric: its label (the known ones), its name, first → last (the steps: ``steps``)."""
@@ -210,6 +221,17 @@ class RunSummary(L.Callback):
         runs = [*self.earlier_logs, (self._first_step, trainer.global_step, str(self._log_dir))]
         return [f"  {'logs' if i == 0 else '':<12} {folder}/{csv}: steps {first} → {last}"
                 for i, (first, last, folder) in enumerate(runs)]
+
+    def time_lines(self, trainer) -> list[str]:
+        """Where the training time went (``StepTimes``): each phase's share, largest first, and samples per second."""
+        timer = next((c for c in trainer.callbacks if callable(getattr(c, "shares", None))), None)
+        shares = timer.shares() if timer is not None else {}
+        if not shares:
+            return []
+        parts = [f"{name} {100 * share:.0f} %" for name, share in shares.items() if share >= 0.005]
+        parts.append(f"{timer.samples_per_s():.3g} samples/s")
+        rows = [", ".join(parts[i:i + 4]) for i in range(0, len(parts), 4)]
+        return [f"  {'time' if i == 0 else '':<12} {row}" for i, row in enumerate(rows)]
 
     def picture_lines(self, trainer) -> list[str]:
         """The pictures this run wrote: the callbacks' ``written`` lists and what is new in the log directory."""
