@@ -127,6 +127,13 @@ def quiet_manual_checkpoint_warning() -> None:
                             "but no pre-optimization state was saved", category=UserWarning)
 
 
+def timed_hooks(module, collectives: Collectives, step: int) -> UpdateHooks:
+    """The update's hooks for one training step: each backward and optimizer step timed as its phase."""
+    return UpdateHooks(timed("update/backward", module.manual_backward),
+                       timed("optimizer", functools.partial(module.step_optimizer, collectives)), collectives,
+                       functools.partial(preemption.check, collectives.max_over_world, step))
+
+
 class JAGGModule(L.LightningModule):
     """GRPO with JAGG window gradients on a LoRA-adapted flow-matching transformer (manual optimization).
 
@@ -274,12 +281,10 @@ class JAGGModule(L.LightningModule):
         self.plan = plan = plan_rollout(self.sampling, self.jagg, step, self.rollouts_done,
                                         self.policy.expert_starts(self.sampler.times))
         self.windows, collectives = plan.windows, Collectives(self.trainer)
-        hooks = UpdateHooks(timed("update/backward", self.manual_backward),
-                            timed("optimizer", functools.partial(self.step_optimizer, collectives)), collectives,
-                            functools.partial(preemption.check, collectives.max_over_world, step))
-        # rollout -> rewards -> advantages -> routed update -> optimizer step(s), fused or not (update.py)
+        hooks = timed_hooks(self, collectives, step)
         decoded = self.sampler.decoded_samples  # train/decodes: the samples this step decodes (0: latent rewards alone)
-        with CLOCK.phase("rollout"):  # what no inner phase claims is the rollout's (utils/timing.py)
+        # rollout -> rewards -> advantages -> routed update -> optimizer step(s), fused or not (update.py)
+        with CLOCK.phase("rollout"):  # time no inner phase claims is the rollout's (utils/timing.py)
             report = self.updater.step(prompts, indices, step, plan, self.reward_fn, hooks)
         self._record_step(report, collectives, self.sampler.decoded_samples - decoded)
         self.rollouts_done += 1

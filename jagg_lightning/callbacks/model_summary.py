@@ -16,8 +16,8 @@ class ParameterSummary(RichModelSummary):
         max_depth: How deep the module tree is listed (Lightning's `ModelSummary.max_depth`).
     """
 
-    def __init__(self, max_depth: int = 1, **summarize_kwargs: Any):
-        super().__init__(max_depth=max_depth, **summarize_kwargs)
+    def __init__(self, max_depth: int = 1):
+        super().__init__(max_depth=max_depth)
 
     @staticmethod
     def summarize(summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,

@@ -62,7 +62,7 @@ def test_fit_ends_with_the_metrics_first_to_last_and_where_everything_is(fitted)
     [summary] = [c for c in cli.trainer.callbacks if isinstance(c, RunSummary)]
     lines = stdout.splitlines()
     start = lines.index(summary.lines[0])
-    assert stdout.count("jagg fit: 3 steps in ") == 1 and re.match(r"jagg fit: 3 steps in \d+ s wall, \d+ s CPU",
+    assert stdout.count("jagg fit: 3 steps in ") == 1 and re.match(r"jagg fit: 3 steps in (\d+ min )?\d+ s wall, (\d+ min )?\d+ s CPU",
                                                                      lines[start])
     # every val/* metric the CSV logger wrote, first -> last, as the CSV has them
     rows = [r for r in csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")) if r.get("val/reward_mean")]
