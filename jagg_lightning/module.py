@@ -59,6 +59,7 @@ from jagg_lightning.utils.checks import (
     check, check_learning_rates, check_optimizer, check_precision, check_strategy, default_optimizer,
 )
 from jagg_lightning.utils.dtypes import compute_dtype
+from jagg_lightning.utils.timing import CLOCK, timed
 
 __all__ = ["JAGGModule"]
 
@@ -124,6 +125,13 @@ def quiet_manual_checkpoint_warning() -> None:
     "pre-optimization state" was saved: that state would resume one step back, so this module keeps none."""
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization and every_n_train_steps, "
                             "but no pre-optimization state was saved", category=UserWarning)
+
+
+def timed_hooks(module, collectives: Collectives, step: int) -> UpdateHooks:
+    """The update's hooks for one training step: each backward and optimizer step timed as its phase."""
+    return UpdateHooks(timed("update/backward", module.manual_backward),
+                       timed("optimizer", functools.partial(module.step_optimizer, collectives)), collectives,
+                       functools.partial(preemption.check, collectives.max_over_world, step))
 
 
 class JAGGModule(L.LightningModule):
@@ -273,11 +281,11 @@ class JAGGModule(L.LightningModule):
         self.plan = plan = plan_rollout(self.sampling, self.jagg, step, self.rollouts_done,
                                         self.policy.expert_starts(self.sampler.times))
         self.windows, collectives = plan.windows, Collectives(self.trainer)
-        hooks = UpdateHooks(self.manual_backward, functools.partial(self.step_optimizer, collectives), collectives,
-                            functools.partial(preemption.check, collectives.max_over_world, step))
-        # rollout -> rewards -> advantages -> routed update -> optimizer step(s), fused or not (update.py)
+        hooks = timed_hooks(self, collectives, step)
         decoded = self.sampler.decoded_samples  # train/decodes: the samples this step decodes (0: latent rewards alone)
-        report = self.updater.step(prompts, indices, step, plan, self.reward_fn, hooks)
+        # rollout -> rewards -> advantages -> routed update -> optimizer step(s), fused or not (update.py)
+        with CLOCK.phase("rollout"):  # time no inner phase claims is the rollout's (utils/timing.py)
+            report = self.updater.step(prompts, indices, step, plan, self.reward_fn, hooks)
         self._record_step(report, collectives, self.sampler.decoded_samples - decoded)
         self.rollouts_done += 1
         self._step_rng = None

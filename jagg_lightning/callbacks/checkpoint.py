@@ -17,6 +17,7 @@ from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from jagg_lightning.faults.io import atomic_write
+from jagg_lightning.utils.timing import CLOCK
 
 
 class _ErrorRecordingFile:
@@ -60,7 +61,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
-        atomic_write(path, lambda tmp: torch_save(checkpoint, tmp))
+        with CLOCK.phase("checkpoint"):
+            atomic_write(path, lambda tmp: torch_save(checkpoint, tmp))
 
     def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only: bool | None = None):
         return pl_load(path, map_location=map_location, weights_only=True)

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import lightning as L
 
+from jagg_lightning.callbacks.summary import KeptEvaluations
+
 from jagg_lightning.rewards.digits import DigitReward
 from jagg_lightning.testbed.judge import JUDGE_PATH, DigitJudge, load_judge
+from jagg_lightning.utils.timing import CLOCK
 
 
-class DigitAccuracy(L.Callback):
+class DigitAccuracy(KeptEvaluations, L.Callback):
     """Held-out prompt-following accuracy on the digits test bed, during fit and in validate / test.
 
     ``history`` keeps (global step, accuracy, reward) of every evaluation, ``results`` the whole result of each
@@ -51,7 +54,6 @@ class DigitAccuracy(L.Callback):
         self.results: list[dict] = []
         self.evaluations: list[tuple[int, dict[str, float]]] = []  # (step, what was logged): RunSummary reads it
         self.base_result: dict | None = None  # the base model (adapter off), measured once, for sample grids
-        self._step = 0
 
     def evaluate(self, trainer, pl_module, log: bool = True) -> dict:
         from jagg_lightning.testbed.evaluate import heldout_accuracy
@@ -59,8 +61,9 @@ class DigitAccuracy(L.Callback):
         if self.reward is None:
             self.reward = DigitReward(self.classifier_path).to(pl_module.device)
             self.judge = load_judge(self.judge_path or JUDGE_PATH).to(pl_module.device)
-        result = heldout_accuracy(pl_module, self.reward, self.prompts, self.samples_per_prompt, self.seed,
-                                  self.num_steps, judge=self.judge)
+        with CLOCK.phase("evaluation"):
+            result = heldout_accuracy(pl_module, self.reward, self.prompts, self.samples_per_prompt, self.seed,
+                                      self.num_steps, judge=self.judge)
         step = trainer.global_step
         self.history.append((step, result["accuracy"], result["reward"]))
         self.results.append(result)
@@ -107,11 +110,10 @@ class DigitAccuracy(L.Callback):
                 adapter=False)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._step += 1
-        if self._step % self.every_n_steps == 0:
+        if pl_module.rollouts_done % self.every_n_steps == 0:  # the run's step count: a resumed fit keeps the schedule
             self.evaluate(trainer, pl_module)
             pl_module.log("val_acc", self.history[-1][1], prog_bar=True, logger=False)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        if self._step % self.every_n_steps:
+        if pl_module.rollouts_done % self.every_n_steps:
             self.evaluate(trainer, pl_module)

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import lightning as L
 
+from jagg_lightning.callbacks.summary import KeptEvaluations
+from jagg_lightning.utils.timing import CLOCK
 
-class GenEvalAccuracy(L.Callback):
+
+class GenEvalAccuracy(KeptEvaluations, L.Callback):
     """GenEval's per-task held-out scores during fit and in validate / test.
 
     ``history`` keeps (global step, overall score) of every evaluation, ``evaluations`` (step, the logged values).
@@ -75,7 +78,6 @@ class GenEvalAccuracy(L.Callback):
         self.reward = None
         self.history: list[tuple[int, float]] = []
         self.evaluations: list[tuple[int, dict[str, float]]] = []  # (step, what was logged): RunSummary reads it
-        self._step = 0
 
     def evaluate(self, trainer, pl_module, log: bool = True) -> dict[str, float]:
         from jagg_lightning.rewards.geneval import GenEvalReward
@@ -84,7 +86,8 @@ class GenEvalAccuracy(L.Callback):
 
         if self.reward is None:
             self.reward = GenEvalReward(**self.reward_args).to(pl_module.device)
-        images = sample_images(pl_module, self.prompts, self.samples_per_prompt, self.seed, self.num_steps)
+        with CLOCK.phase("evaluation"):
+            images = sample_images(pl_module, self.prompts, self.samples_per_prompt, self.seed, self.num_steps)
         per_sample = [p for p in self.prompts for _ in range(self.samples_per_prompt)]
         judged = self.reward.judge_images(images, per_sample)
         stage = "test" if trainer.state.fn == "test" else "val"
@@ -126,10 +129,9 @@ class GenEvalAccuracy(L.Callback):
         self.evaluate(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._step += 1
-        if self._step % self.every_n_steps == 0:
+        if pl_module.rollouts_done % self.every_n_steps == 0:  # the run's step count: a resumed fit keeps the schedule
             self.evaluate(trainer, pl_module)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        if self._step % self.every_n_steps:
+        if pl_module.rollouts_done % self.every_n_steps:
             self.evaluate(trainer, pl_module)

@@ -8,9 +8,12 @@ from pathlib import Path
 
 import lightning as L
 
+from jagg_lightning.callbacks.model_card import card_facts, write_card
 from jagg_lightning.callbacks.progress import finish_progress_bar
+from jagg_lightning.callbacks.summary import run_metrics
 from jagg_lightning.faults.io import atomic_directory, remove_directory
 from jagg_lightning.models.adapters import lora_state_dict, save_adapter
+from jagg_lightning.utils.timing import CLOCK
 
 export_lora = save_adapter  # the name this module has always exported
 
@@ -23,7 +26,10 @@ class LoRAExport(L.Callback):
     The EMA weights when enabled; with ``policy.trainable: full`` the whole transformer instead, as
     ``<dir>/<last|final>/transformer`` (Wan2.2: and ``<dir>/<last|final>/transformer_2``; ``jagg_lightning.models.export``).
     ``final/`` supersedes ``last/``: once ``final/`` is written whole, ``last/`` is removed (crash-safely,
-    ``jagg_lightning.faults.io.remove_directory``). ``exported`` maps ``last`` and ``final`` to the path written. ``jagg fit``
+    ``jagg_lightning.faults.io.remove_directory``). Beside each export a model card, ``README.md`` (the hub's metadata,
+    the reward, the method and its settings, the steps, the metrics first -> last, the latest sample grid as
+    ``samples.png``, how to load it: ``jagg_lightning.callbacks.model_card``); ``final/``'s is written once the run's
+    last evaluations are in (at teardown). ``exported`` maps ``last`` and ``final`` to the path written. ``jagg fit``
     does not start a new run into a folder that holds an earlier run's ``last/`` or ``final/``
     (``jagg_lightning.cli.outputs``, ``--overwrite true``).
 
@@ -42,6 +48,10 @@ class LoRAExport(L.Callback):
         return Path(self.dirpath or Path(trainer.default_root_dir) / "lora")
 
     def _export(self, trainer, pl_module, name: str) -> Path | None:
+        with CLOCK.phase("checkpoint"):
+            return self._write(trainer, pl_module, name)
+
+    def _write(self, trainer, pl_module, name: str) -> Path | None:
         if pl_module.policy.config.trainable == "full":  # no adapter: the consolidated transformer (export.py)
             from jagg_lightning.models.export import save_transformer, transformer_state_dict
             from jagg_lightning.utils.dtypes import DTYPES
@@ -65,10 +75,19 @@ class LoRAExport(L.Callback):
         return export_lora(pl_module.policy, self.folder(trainer) / name, step=trainer.global_step, weights=weights,
                            extra_weights=extra)
 
+    def _card(self, trainer, pl_module, name: str) -> None:
+        """The model card beside the export ``name`` (rank 0: ``exported`` holds only its paths)."""
+        path = self.exported.get(name)
+        if path is not None:
+            folder = path.parent if path.name == "transformer" else path  # a full fine-tune: <name>/transformer
+            with CLOCK.phase("checkpoint"):
+                write_card(folder, card_facts(trainer, pl_module, run_metrics(trainer)))
+
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         path = self._export(trainer, pl_module, "last")
         if path is not None:
             self.exported["last"] = path
+            self._card(trainer, pl_module, "last")
 
     def on_fit_end(self, trainer, pl_module) -> None:
         path = self._export(trainer, pl_module, "final")
@@ -78,3 +97,7 @@ class LoRAExport(L.Callback):
             self.exported.pop("last", None)
             finish_progress_bar(trainer, pl_module)  # the line below the finished bar, not above its last redraw
             print(f"LoRA adapter written to {path}")
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit":  # after every callback's on_fit_end: the final evaluation is in the card
+            self._card(trainer, pl_module, "final")

@@ -105,7 +105,10 @@ class Preemption(L.Callback):
         signum = getattr(exception, "signum", 15)
         where = getattr(exception, "where", "the end of the step")
         requeued = slurm and signum == int(environment.requeue_signal) and _requeue_slurm_job()
-        resume = "the requeued job resumes from it" if requeued else f"resume with --ckpt_path {path}"
+        # "last" is the newest of this checkpoint and ModelCheckpoint's last files (cli/outputs.py): the same command
+        # with --ckpt_path last resumes here, as the explicit path does
+        resume = "the requeued job resumes from it" if requeued else (
+            f"resume with the same command and --ckpt_path last (the newest checkpoint: this one) or --ckpt_path {path}")
         print(f"jagg: stopped by {preemption.signal_name(signum)} at step {trainer.global_step} ({where}): checkpoint "
               f"{path}, adapter in lora/last (not final); {resume}", file=sys.stderr, flush=True)
 

@@ -24,6 +24,9 @@ class RoutingStats(L.Callback):
     ``routing/<expert>/*``, the same values over that expert's windows (``policy.expert_index`` maps a step to its
     expert), and the plot's bars coloured by expert. One network: exactly the ``routing/*`` values.
 
+    A forward-process objective (``model.objective.name`` ``nft`` / ``awm``) routes no SDE windows: its ``routing/*``
+    values are over its noise levels (``objective.jagg``) and no plot is written.
+
     Args:
         plot: Write `routing.png` at the end of fit (and send it to image-capable loggers).
     """
@@ -92,8 +95,8 @@ class RoutingStats(L.Callback):
         return self.routed_counts / max(1, self.steps_seen)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        if not self.plot or self.routed_counts is None:
-            return
+        if not self.plot or self.routed_counts is None or not pl_module.objective.routes_sde_windows:
+            return  # a forward-process objective (NFT, AWM): no routed timesteps, no residuals to plot
         path = log_dir(trainer) / "routing.png"  # on every process (it broadcasts)
         if trainer.is_global_zero:
             times = pl_module.sampler.times[pl_module.trained_steps]

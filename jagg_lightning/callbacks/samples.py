@@ -15,6 +15,7 @@ from jagg_lightning.training.grids import (
     GridMarks, LabelledGrid, count_right, grid_layout, image_grid, labelled_grid, reward_marks, with_sources,
 )
 from jagg_lightning.training.images import log_dir, write_image
+from jagg_lightning.utils.timing import CLOCK
 
 
 class SampleImages(L.Callback):
@@ -79,7 +80,6 @@ class SampleImages(L.Callback):
         self.last_grid: np.ndarray | None = None
         self.last_marks: GridMarks | None = None
         self.last_layout: LabelledGrid | None = None
-        self._step = 0
 
     @torch.no_grad()
     def sample_cells(self, pl_module) -> list[torch.Tensor]:
@@ -128,6 +128,10 @@ class SampleImages(L.Callback):
                 for row in marks.correct]
 
     def _write(self, trainer, pl_module) -> None:
+        with CLOCK.phase("evaluation"):
+            self._write_grid(trainer, pl_module)
+
+    def _write_grid(self, trainer, pl_module) -> None:
         cells, per = self.sample_cells(pl_module), self.samples_per_prompt
         columns = 2 * per
         rows = [cells[i:i + columns] for i in range(0, len(cells), columns)]
@@ -148,10 +152,9 @@ class SampleImages(L.Callback):
         self.written.append(write_image(trainer, path, "samples", labelled_grid(*args)))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._step += 1
-        if self._step % self.every_n_steps == 0:
+        if pl_module.rollouts_done % self.every_n_steps == 0:  # the run's step count: a resumed fit keeps the schedule
             self._write(trainer, pl_module)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        if self._step % self.every_n_steps:
+        if pl_module.rollouts_done % self.every_n_steps:
             self._write(trainer, pl_module)

@@ -1,6 +1,6 @@
 """What a run came to, printed once at its end (rank 0), below the finished progress bar: every ``val/*`` (``test/*``)
-metric first -> last, the wall and CPU time, and where the adapter, the checkpoints (the one a resumed fit started from
-among them), the logs and the images are. A resumed fit says so as it starts: ``jagg fit: resuming from step N of
+metric first -> last, the wall and CPU time, where the adapter, the checkpoints (the one a resumed fit started from
+among them), the logs and the images are, and where the training time went (``StepTimes``' shares). A resumed fit says so as it starts: ``jagg fit: resuming from step N of
 <checkpoint>``."""
 
 from __future__ import annotations
@@ -42,6 +42,41 @@ def _list(folder: Path, names: list[str]) -> str:
     return f"{folder}/: {shown}"
 
 
+def merged_evaluations(kept: list, current: list) -> list[tuple[int, dict[str, float]]]:
+    """A checkpoint's (step, {name: value}) evaluations before this run's, by step (a step evaluated by both, as the
+    step a fit resumes at, once: this run's value)."""
+    by_step = {int(step): dict(values) for step, values in kept}
+    by_step.update({int(step): dict(values) for step, values in current})
+    return sorted(by_step.items())
+
+
+def run_metrics(trainer) -> dict[str, dict[int, float]]:
+    """Every evaluation metric of the run so far, {name: {step: value}}: what ``RunSummary`` recorded (the ``val/*``
+    of each validation loop, and of the runs a resumed fit continues) and every callback's ``evaluations``."""
+    series: dict[str, dict[int, float]] = {}
+    for callback in trainer.callbacks:
+        for name, values in (getattr(callback, "series", None) if isinstance(callback, RunSummary) else {}).items():
+            series.setdefault(name, {}).update(values)
+    for callback in trainer.callbacks:
+        for step, values in getattr(callback, "evaluations", None) or []:
+            for name, value in values.items():
+                series.setdefault(name, {})[step] = float(value)
+    return series
+
+
+class KeptEvaluations:
+    """A callback's ``evaluations`` kept in the checkpoint, so that a resumed fit's summary starts at the earlier run's
+    first evaluation (its step 0), not at the step it resumed from. Mixed into the evaluation callbacks."""
+
+    evaluations: list[tuple[int, dict[str, float]]]
+
+    def state_dict(self) -> dict:
+        return {"evaluations": [(step, dict(values)) for step, values in self.evaluations]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.evaluations = merged_evaluations(state_dict.get("evaluations", []), self.evaluations)
+
+
 class RunSummary(L.Callback):
     """What a run came to: its metrics first to last, its time and where its files are, printed at its end.
 
@@ -63,13 +98,31 @@ class RunSummary(L.Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._start = (time.time(), time.perf_counter(), time.process_time())
         self._first_step, self._done, self.series, self._resumed = trainer.global_step, False, {}, None
+        self._last_step = trainer.global_step
         self._log_dir = log_dir(trainer) if trainer.loggers else None  # on every process: it broadcasts
+        self.earlier_logs: list[tuple[int, int, str]] = []  # (first step, last step, logs folder) of resumed runs
+
+    def state_dict(self) -> dict:
+        """What a resumed fit's summary needs of the runs before it: their metrics and where their logs are."""
+        logs = list(self.earlier_logs)
+        if self._log_dir is not None:
+            logs.append((self._first_step, self._last_step, str(self._log_dir)))
+        return {"series": {name: dict(values) for name, values in self.series.items()}, "logs": logs}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for name, values in state_dict.get("series", {}).items():
+            self.series[name] = {int(step): float(v) for step, v in values.items()} | self.series.get(name, {})
+        self.earlier_logs = [(int(a), int(b), str(folder)) for a, b, folder in state_dict.get("logs", [])
+                             if self._log_dir is None or Path(folder) != self._log_dir]
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._first_step = trainer.global_step  # after a checkpoint is restored
+        self._first_step = self._last_step = trainer.global_step  # after a checkpoint is restored
         self._resumed = (trainer.ckpt_path, trainer.global_step) if trainer.ckpt_path else None
         if self._resumed and trainer.is_global_zero:
             self.print_fn(f"jagg fit: resuming from step {trainer.global_step} of {trainer.ckpt_path}")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._last_step = trainer.global_step
 
     def _record(self, trainer) -> None:
         for name, value in trainer.callback_metrics.items():
@@ -92,10 +145,7 @@ class RunSummary(L.Callback):
         if not (self._done and trainer.is_global_zero):
             return
         self._done = False
-        for callback in trainer.callbacks:
-            for step, values in getattr(callback, "evaluations", None) or []:
-                for name, value in values.items():
-                    self.series.setdefault(name, {})[step] = float(value)
+        self.series = run_metrics(trainer)
         finish_progress_bar(trainer, pl_module)  # these lines below the finished bar
         self.lines = self.summary(trainer, pl_module)
         self.print_fn("\n".join(self.lines))
@@ -113,11 +163,9 @@ class RunSummary(L.Callback):
         lines += self.metric_lines(steps=fn == "fit")
         if fn == "fit":
             lines += self.adapter_lines(trainer) + self.checkpoint_lines(trainer)
-        if self._log_dir is not None:
-            csv = any(isinstance(logger, CSVLogger) for logger in trainer.loggers)
-            lines.append(f"  {'logs':<12} {self._log_dir}/" + (" (metrics.csv)" if csv else ""))
+        lines += self.log_lines(trainer, fn == "fit")
         lines += self.picture_lines(trainer)
-        return lines
+        return lines + self.time_lines(trainer) if fn == "fit" else lines
 
     def metric_lines(self, steps: bool = True) -> list[str]:
         """One line per metric: its label (the known ones), its name, first → last (the steps: ``steps``)."""
@@ -161,6 +209,29 @@ class RunSummary(L.Callback):
         if self._resumed:  # where this run took up an earlier one (a Preemption checkpoint, too)
             lines.insert(0, f"resumed from {self._resumed[0]} (step {self._resumed[1]})")
         return [f"  {'checkpoints' if i == 0 else '':<12} {line}" for i, line in enumerate(lines)]
+
+    def log_lines(self, trainer, fit: bool) -> list[str]:
+        """Where the logs are; after a resume, which folder holds which steps (each run writes a folder of its own:
+        Lightning's loggers start a new version rather than append to the earlier one)."""
+        if self._log_dir is None:
+            return []
+        csv = " (metrics.csv)" if any(isinstance(logger, CSVLogger) for logger in trainer.loggers) else ""
+        if not (fit and self.earlier_logs):
+            return [f"  {'logs':<12} {self._log_dir}/{csv}"]
+        runs = [*self.earlier_logs, (self._first_step, trainer.global_step, str(self._log_dir))]
+        return [f"  {'logs' if i == 0 else '':<12} {folder}/{csv}: steps {first} → {last}"
+                for i, (first, last, folder) in enumerate(runs)]
+
+    def time_lines(self, trainer) -> list[str]:
+        """Where the training time went (``StepTimes``): each phase's share, largest first, and samples per second."""
+        timer = next((c for c in trainer.callbacks if callable(getattr(c, "shares", None))), None)
+        shares = timer.shares() if timer is not None else {}
+        if not shares:
+            return []
+        parts = [f"{name} {100 * share:.0f} %" for name, share in shares.items() if share >= 0.005]
+        parts.append(f"{timer.samples_per_s():.3g} samples/s")
+        rows = [", ".join(parts[i:i + 4]) for i in range(0, len(parts), 4)]
+        return [f"  {'time' if i == 0 else '':<12} {row}" for i, row in enumerate(rows)]
 
     def picture_lines(self, trainer) -> list[str]:
         """The pictures this run wrote: the callbacks' ``written`` lists and what is new in the log directory."""

@@ -122,8 +122,21 @@ def explain_parse_error(message: str, argv: list[str], known: set[str]) -> str:
         return strategy
     bad = re.search(r'Parser key "([\w.]+)":\s*(.*)', message, re.S)
     if bad:
-        return f"{bad.group(1)}: " + re.sub(r"<class '(\w+)'>", r"\1", one_line(bad.group(2)))
+        return f"{bad.group(1)}: " + (not_one_of(bad.group(2)) or
+                                      re.sub(r"<class '(\w+)'>", r"\1", one_line(bad.group(2))))
     return one_line(message)
+
+
+def not_one_of(message: str) -> str | None:
+    """jsonargparse's ``Expected a typing.Literal['grpo', 'nft', 'awm']. Got value: nfft`` as a user reads it:
+    ``'nfft' is not one of grpo, nft, awm; did you mean nft?`` (None for another message)."""
+    found = re.search(r"Literal\[([^\]]*)\]\.?\s*Got value:\s*(\S+)", message)
+    if found is None:
+        return None
+    allowed = [a.strip().strip("'\"") for a in found.group(1).split(",") if a.strip()]
+    given = found.group(2).strip().strip("'\"")
+    close = difflib.get_close_matches(given, allowed, n=1, cutoff=0.5)
+    return (f"{given!r} is not one of {', '.join(allowed)}" + (f"; did you mean {close[0]}?" if close else ""))
 
 
 def _int(value) -> bool:

@@ -30,13 +30,14 @@ import sys
 from pathlib import Path
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI, instantiate_class
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from jagg_lightning import DESCRIPTION, __version__
-from jagg_lightning.callbacks import LoRAExport, Preemption, PredictionImages, RunSummary
+from jagg_lightning.callbacks import (LoRAExport, ParameterSummary, Preemption, PredictionImages, RunSummary,
+                                      StepTimes)
 from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.callbacks.preemption import DEFAULT_SIGNALS
 from jagg_lightning.callbacks.progress import StepProgressBar
@@ -133,6 +134,9 @@ class JAGGCLI(LightningCLI):
         follow_root(config, self._config_root, given)
 
     def add_arguments_to_parser(self, parser) -> None:
+        # one usage line, so the description comes next (argparse's synopsis of every option ran to 186 lines: a
+        # user who typed `jagg fit --help | head` saw no description); the options are listed below it
+        parser.usage = "%(prog)s [-h] [--config FILE] [--print_config] [--<section>.<field> VALUE ...]"
         parser.add_lightning_class_args(LoRAExport, "lora_export")
         parser.add_argument("--overwrite", type=bool, default=False,
                             help="fit: let this run replace an earlier run's exported adapter and checkpoints in its "
@@ -281,6 +285,10 @@ class JAGGCLI(LightningCLI):
         if self.subcommand == "fit" and not any(isinstance(c, Preemption) for c in callbacks):
             # a scheduler's signal, or Ctrl-C: a checkpoint at the next safe point and a non-zero exit status
             callbacks.append(Preemption(signals=[*DEFAULT_SIGNALS, "SIGINT"]))
+        if config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in callbacks):
+            callbacks.append(ParameterSummary())  # Lightning's, without its FLOPs column (always 0 here)
+        if self.subcommand == "fit" and not any(isinstance(c, StepTimes) for c in callbacks):
+            callbacks.append(StepTimes())  # time/<phase> of every step, to every logger
         if self.subcommand in ("fit", "validate", "test") and not any(isinstance(c, RunSummary) for c in callbacks):
             callbacks.append(RunSummary())  # what the run came to, printed once at its end
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in callbacks):

@@ -70,6 +70,7 @@ ALLOWED_STDERR = [r"^(\x1b\[A)*(Loading (pipeline components|weights|checkpoint 
 
 
 def quiet_defaults() -> None:
+    quiet_loading_bars()
     for message, category in HARMLESS:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name in QUIET_LOGGERS:
@@ -77,6 +78,19 @@ def quiet_defaults() -> None:
     for name, message in HARMLESS_LOGS:
         logging.getLogger(name).addFilter(lambda record, pattern=message: not re.search(pattern, record.getMessage()))
     warnings.showwarning = _one_line_deprecations(warnings.showwarning)
+
+
+def quiet_loading_bars() -> None:
+    """diffusers' and transformers' loading bars ("Loading pipeline components...", "Loading weights") off: every
+    command loads the pipeline (fit, validate, predict), and a bar per component says nothing a run needs."""
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.disable_progress_bar()
+    try:
+        from transformers.utils import logging as transformers_logging
+    except ImportError:  # transformers is optional for a pipeline without text encoders
+        return
+    transformers_logging.disable_progress_bar()
 
 
 def _one_line_deprecations(show):

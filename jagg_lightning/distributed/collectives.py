@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from jagg_lightning.utils.dtypes import compute_dtype
+from jagg_lightning.utils.timing import timed
 
 
 _CLEANUP_REGISTERED = False
@@ -82,6 +83,7 @@ class Collectives:
         (Lightning's DDP forward redirection already keeps the forward from arming the reducer.)"""
         return self.trainer.strategy.block_backward_sync() if self.ddp_model() is not None else nullcontext()
 
+    @timed("collectives")
     def sum(self, tensor: Tensor) -> Tensor:
         """Sum over the data-parallel processes, in place (one collective; identity on one process)."""
         if self.data_size == 1 or not dist.is_initialized():
@@ -90,6 +92,7 @@ class Collectives:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=None if context is None else context.data_group)
         return tensor
 
+    @timed("collectives")
     def mean(self, tensor: Tensor) -> Tensor:
         """Mean over the data-parallel processes (the strategy's reduce; identity outside a Trainer)."""
         if self.trainer is None:
@@ -98,6 +101,7 @@ class Collectives:
             return self.sum(tensor.clone()).div_(self.data_size)
         return self.trainer.strategy.reduce(tensor, reduce_op="mean")
 
+    @timed("collectives")
     def max_over_world(self, value: int) -> int:
         """The largest ``value`` over every process (one all-reduce of one number; identity on one process): a
         decision all processes must make alike, such as stopping at a safe point."""
@@ -117,6 +121,7 @@ class Collectives:
             return count
         return count
 
+    @timed("collectives")
     def gather_rows(self, row: Tensor) -> Tensor:
         """Every process's ``row`` [R], stacked by global rank [W, R], on every process: ONE all-reduce (a sum) of a
         zero table with this process's row filled in (over every process, context ranks included)."""
@@ -127,6 +132,7 @@ class Collectives:
         dist.all_reduce(table, op=dist.ReduceOp.SUM)
         return table
 
+    @timed("collectives")
     def all_reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Under DDP: average the gradients of ``params`` over the processes with ONE all-reduce of their flat
         concatenation (a parameter without a gradient contributes zeros, so every rank sends the same size); under

@@ -182,13 +182,14 @@ def check_data_conditions(datamodule, policy_class, reward=None) -> None:
 
 # --------------------------------------------------------------------------------------------- the JSONL format
 
-def metadata_file(path: Path, split: str) -> Path:
-    """A data file, or a Flow-GRPO dataset folder's ``<split>_metadata.jsonl``."""
+def metadata_file(path: Path, split: str, field: str) -> Path:
+    """A data file, or a Flow-GRPO dataset folder's ``<split>_metadata.jsonl`` (its absence named with ``field``)."""
     if path.is_dir():
         found = path / f"{split}_metadata.jsonl"
         if not found.is_file():
-            raise FileNotFoundError(f"no {found.name} in the folder {str(path)!r} (a conditioned dataset folder holds "
-                                    "train_metadata.jsonl and test_metadata.jsonl)")
+            raise FileNotFoundError(f"{field}: no {found.name} in the folder {str(path)!r} (a text file of prompts, "
+                                    "a JSONL file, or a conditioned dataset folder holding train_metadata.jsonl and "
+                                    "test_metadata.jsonl)")
         return found
     return path
 
@@ -196,7 +197,7 @@ def metadata_file(path: Path, split: str) -> Path:
 def read_conditioned_prompts(path: str | Path, field: str, split: str = "train") -> list[ConditionedPrompt]:
     """The rows of a JSONL data file (or a dataset folder's ``<split>_metadata.jsonl``) as conditioned prompts;
     each row checked (see the module docstring), a bad one named by ``field``, file and line."""
-    path = metadata_file(Path(path), split)
+    path = metadata_file(Path(path), split, field)
     prompts = []
     for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():

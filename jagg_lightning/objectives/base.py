@@ -29,6 +29,9 @@ class Objective:
     """A training objective. Subclasses set :attr:`name` and build their update."""
 
     name: ClassVar[str] = ""
+    # whether its update routes windows of the rollout's SDE steps (GRPO), which RoutingStats plots per timestep; a
+    # forward-process objective trains noise levels of the clean samples instead
+    routes_sde_windows: ClassVar[bool] = True
 
     def __init__(self, config: ObjectiveConfig):
         self.config = config

@@ -36,6 +36,7 @@ from jagg_lightning.training.rollout import sample_generators, sample_seed
 from jagg_lightning.training.update import StepReport, Updater, UpdateHooks, shuffled_updates
 from jagg_lightning.utils.batching import batch_slice
 from jagg_lightning.utils.sharding import full_tensor, shard_like, values_swapped
+from jagg_lightning.utils.timing import CLOCK
 
 _LEVEL_STREAM, _NOISE_STREAM = -6, -7  # sample_seed streams of the noise levels and the per-sample noise
 
@@ -70,6 +71,7 @@ class ForwardProcessObjective(Objective):
     """An objective whose loss is a sum over points of the forward process of each rollout sample."""
 
     default_kl_beta: ClassVar[float] = 0.0
+    routes_sde_windows: ClassVar[bool] = False  # its windows are noise levels, not the rollout's timesteps
     keeps_old_policy: ClassVar[bool] = False  # whether the loss reads theta_old's velocity
     needs_reference: ClassVar[bool] = False  # whether the loss reads the reference velocity even with kl_beta 0
 
@@ -228,9 +230,10 @@ class ForwardProcessUpdater(Updater):
                 with hooks.collectives.local_backward():
                     for index in group:
                         self.guard.train(index)
-                        report.records += self.backward_points(
-                            x0[index], eps[index], advantages[index], batch_slice(cond, index), times, update_size,
-                            report, hooks.backward, index, None if old is None or old.matches else old)
+                        with CLOCK.phase("update/forward"):  # its backwards: update/backward (hooks.backward)
+                            report.records += self.backward_points(
+                                x0[index], eps[index], advantages[index], batch_slice(cond, index), times,
+                                update_size, report, hooks.backward, index, None if old is None or old.matches else old)
                 hooks.optimizer_step()
                 updates += 1
                 if old is not None:

@@ -29,6 +29,7 @@ from jagg_lightning.training.rollout import (
 )
 from jagg_lightning.utils.batching import batch_slice
 from jagg_lightning.utils.dtypes import compute_dtype
+from jagg_lightning.utils.timing import CLOCK
 
 if TYPE_CHECKING:
     from jagg_lightning.policies.base import Guidance
@@ -201,14 +202,16 @@ class Sampler:
         with torch.no_grad():
             images = latents = None
             if reward.needs_images():
-                images = self.policy.decode_samples(final, prompts)
+                with CLOCK.phase("decode"):
+                    images = self.policy.decode_samples(final, prompts)
                 with self._decode_count_lock:
                     self.decoded_samples += len(prompts)
                 if not bool(torch.isfinite(images).all()):
                     images = torch.nan_to_num(images, nan=0.5, posinf=1.0, neginf=0.0).clamp(0, 1)
             if reward.needs_latents():
                 latents = final if bool(torch.isfinite(final).all()) else torch.nan_to_num(final, 0.0, 0.0, 0.0)
-            return self.score(reward, images, prompts, latents)
+            with CLOCK.phase("reward"):
+                return self.score(reward, images, prompts, latents)
 
     def score(self, reward: Reward, images: Tensor | None, prompts: list[str],
               latents: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:

@@ -33,6 +33,7 @@ from jagg_lightning.training.passes import fused_graph_steps, fused_samples, pas
 from jagg_lightning.training.rollout import RolloutBatch, RolloutPlan, SampledMicroBatch, Trajectory, group_steps, sample_seed
 from jagg_lightning.training.sampler import Sampler, ScoredMicroBatch
 from jagg_lightning.utils.batching import batch_slice
+from jagg_lightning.utils.timing import CLOCK
 
 _ROUTING_STREAM, _CONTROL_STREAM = -4, -5  # sample_seed streams of the random routing scores and the control draws
 
@@ -342,13 +343,16 @@ class Updater:
             mb, mb_cond = scored.sampled.part, batch_slice(cond, scored.rows)  # views: the trajectory's
             windows = self.route(mb, plan.windows, hooks.collectives, step, scored.rows.start)
             report.reference_forwards += self.complete_reference(mb, mb_cond, windows, taken)
-            self.fused_backward(scored.sampled, mb_cond, advantages, len(sample_prompts), plan, windows, hooks, report)
+            with CLOCK.phase("update/forward"):  # its backwards: update/backward (hooks.backward)
+                self.fused_backward(scored.sampled, mb_cond, advantages, len(sample_prompts), plan, windows, hooks,
+                                    report)
         if fused:
             hooks.optimizer_step()
             report.micro_batches = -(-len(sample_prompts) // self.sampling.rollout_batch_size)
         else:
             hooks.safe_point("the rollout's end, before the update")
-            self.update_rollout(report, plan, taken, step, reward, hooks)
+            with CLOCK.phase("update/forward"):  # its backwards and optimizer steps: their own phases (hooks)
+                self.update_rollout(report, plan, taken, step, reward, hooks)
         report.exact_backwards = plan.steps_per_sample * report.micro_batches
         return report
 

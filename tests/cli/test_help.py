@@ -59,6 +59,13 @@ def fit_help() -> str:
     return out.getvalue()
 
 
+def test_the_first_lines_say_what_the_command_does(fit_help):
+    """`jagg fit --help | head`: one usage line, then the description (issue 58: 186 lines of synopsis came first)."""
+    head = fit_help.splitlines()[:10]
+    assert head[0].startswith("usage: jagg") and " fit [-h] [--config FILE]" in head[0] and len(head[0]) <= 110
+    assert head[1] == "" and head[2].strip() and not head[2].lstrip().startswith(("-", "[", "options")), head
+
+
 def test_every_option_of_ours_is_described(fit_help):
     described, _ = options(fit_help)
     ours = {k: v for k, v in described.items() if k.startswith(OURS)}

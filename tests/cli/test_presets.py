@@ -148,3 +148,18 @@ def test_preset_builds_everything_but_the_weights(preset, monkeypatch, tmp_path)
              "dppo_threshold": module.objective.config.dppo_threshold, "fused_rollout": module.jagg.fused_rollout,
              "micro_batches_per_update": module.grpo.micro_batches_per_update}
     assert {k: found[k] for k in expected} == expected
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_no_preset_warns_about_its_own_jagg_frac(preset):
+    """A shipped preset says what it means: no `jagg: model.jagg.jagg_frac ... routes every full-size window` line on
+    every run of it (issue 58: the main job printed one) -- a fraction that rounds to every window is written as 1.
+    The step-0 rollout's windows of the preset's own sampling and jagg sections (one network's schedule)."""
+    from jagg_lightning.config import JAGGConfig, SamplingConfig
+    from jagg_lightning.method.routing import rounding_note
+    from jagg_lightning.training.rollout import plan_rollout
+
+    model = yaml.safe_load((ROOT / "configs" / preset).read_text())["model"]
+    sampling, jagg = SamplingConfig(**model.get("sampling", {})), JAGGConfig(**model.get("jagg", {}))
+    windows = plan_rollout(sampling, jagg, 0).windows
+    assert windows and rounding_note(jagg.jagg_frac, windows, jagg.window_size) is None

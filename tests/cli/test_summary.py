@@ -62,7 +62,7 @@ def test_fit_ends_with_the_metrics_first_to_last_and_where_everything_is(fitted)
     [summary] = [c for c in cli.trainer.callbacks if isinstance(c, RunSummary)]
     lines = stdout.splitlines()
     start = lines.index(summary.lines[0])
-    assert stdout.count("jagg fit: 3 steps in ") == 1 and re.match(r"jagg fit: 3 steps in \d+ s wall, \d+ s CPU",
+    assert stdout.count("jagg fit: 3 steps in ") == 1 and re.match(r"jagg fit: 3 steps in (\d+ min )?\d+ s wall, (\d+ min )?\d+ s CPU",
                                                                      lines[start])
     # every val/* metric the CSV logger wrote, first -> last, as the CSV has them
     rows = [r for r in csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")) if r.get("val/reward_mean")]
@@ -90,6 +90,51 @@ def test_fit_ends_with_the_metrics_first_to_last_and_where_everything_is(fitted)
     assert f"{samples.written[-1].parent}/: " in pictures and "step_000002.png" in pictures
     assert "val_step_000003.png" in pictures and "routing.png" not in pictures  # tiny.yaml's RoutingStats: no plot
     assert (samples.written[-1].parent / "val_step_000003.png").is_file()
+
+
+def test_every_step_logs_where_its_time_went_and_the_summary_gives_the_shares(fitted):
+    """time/<phase> of each step in the CSV log (every logger gets them): the phases add up to the step, and the
+    named ones (not `other`: Lightning's loop, logging) cover nearly all of it; the summary's shares are the run's."""
+    _, cli, _ = fitted
+    rows = [r for r in csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")) if r.get("time/step")]
+    assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    named = ("rollout", "decode", "reward", "update/forward", "update/backward", "optimizer", "collectives",
+             "evaluation", "checkpoint")
+    for row in rows:
+        phases = {name: float(row[f"time/{name}"]) for name in named}
+        step, other = float(row["time/step"]), float(row["time/other"])
+        assert all(v >= 0 for v in phases.values()) and abs(sum(phases.values()) + other - step) <= 1e-6 * step
+        # the named phases hold the step; `other` (Lightning's loop, its checkpoint's state dicts, logging, the data
+        # loader) is a small remainder
+        assert other <= 0.15 * step, (other, step)
+        for busy in ("rollout", "decode", "reward", "update/backward", "evaluation", "checkpoint"):
+            assert phases[busy] > 0, busy  # val after each step, a checkpoint (and its LoRA export) after each
+        samples = 2 * 4  # two prompts x group_size 4
+        assert abs(float(row["time/samples_per_s"]) * step - samples) <= 1e-6 * samples
+    [summary] = [c for c in cli.trainer.callbacks if isinstance(c, RunSummary)]
+    lines = summary.lines[next(i for i, x in enumerate(summary.lines) if x.lstrip().startswith("time ")):]
+    shares = dict(re.findall(r"([a-z/]+) (\d+) %", " ".join(lines)))
+    total = sum(float(r["time/step"]) for r in rows)
+    biggest = max(named + ("other",), key=lambda n: sum(float(r[f"time/{n}"]) for r in rows))
+    assert next(iter(shares)) == biggest  # largest first
+    assert abs(int(shares[biggest]) - 100 * sum(float(r[f"time/{biggest}"]) for r in rows) / total) <= 0.5
+    assert re.search(r"[\d.]+ samples/s$", lines[-1])
+
+
+def test_the_final_adapter_has_a_model_card_that_parses_with_the_runs_facts(fitted):
+    from huggingface_hub import ModelCard
+
+    root, cli, _ = fitted
+    card = ModelCard.load(root / "lora" / "final" / "README.md")
+    assert card.data.library_name == "diffusers" and {"lora", "text-to-image", "jagg"} <= set(card.data.tags)
+    assert "**digits**" in card.text and "**3 steps**" in card.text
+    rows = [r for r in csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")) if r.get("val/reward_mean")]
+    first, last = float(rows[0]["val/reward_mean"]), float(rows[-1]["val/reward_mean"])
+    assert f"| `val/reward_mean` | {first:.3f} (step 1) | {last:.3f} (step 3) |" in card.text
+    [samples] = [c for c in cli.trainer.callbacks if isinstance(c, SampleImages)]
+    grid = root / "lora" / "final" / "samples.png"
+    assert grid.read_bytes() == samples.written[-1].read_bytes() and "](samples.png)" in card.text
+    assert "/diffusers'" in card.text and "/peft')" in card.text
 
 
 def test_the_progress_bar_fits_80_columns_and_comes_before_the_closing_lines(fitted):
@@ -128,16 +173,30 @@ def test_a_resumed_fit_says_where_it_resumed_from_and_its_summary_names_that_che
     shutil.copytree(root, run)
     checkpoint = run / Path(cli.trainer.checkpoint_callback.last_model_path or
                             cli.trainer.checkpoint_callback.best_model_path).relative_to(root)
-    resumed = cli_main(["fit", *common(run), "--trainer.max_steps", "4", "--trainer.enable_checkpointing", "false",
-                        "--trainer.enable_progress_bar", "false", "--trainer.callbacks", CALLBACKS,
-                        "--ckpt_path", str(checkpoint)])
+    resumed = cli_main(["fit", *common(run), "--trainer.max_steps", "6", "--trainer.val_check_interval", "1",
+                        "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
+                        "--trainer.callbacks", CALLBACKS, "--ckpt_path", str(checkpoint)])
     stdout = capsys.readouterr().out
     assert f"jagg fit: resuming from step 3 of {checkpoint}\n" in stdout
     [summary] = [c for c in resumed.trainer.callbacks if isinstance(c, RunSummary)]
     at = next(i for i, x in enumerate(summary.lines) if x.lstrip().startswith("checkpoints"))
     assert summary.lines[at].split(None, 1)[1] == f"resumed from {checkpoint} (step 3)", summary.lines
     assert summary.lines[at + 1].strip() == "none written (trainer.enable_checkpointing: false)"
-    assert summary.lines[0].startswith("jagg fit: 1 steps in ")
+    assert summary.lines[0].startswith("jagg fit: 3 steps in ")
+    # first -> last over both runs: the first value is the earlier run's (its logs), not this run's first
+    earlier = [r for r in csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")) if r.get("val/reward_mean")]
+    later = [r for r in csv.DictReader(open(Path(resumed.trainer.log_dir) / "metrics.csv")) if r.get("val/reward_mean")]
+    [line] = [x for x in summary.lines if " val/reward_mean " in x]
+    first, last = float(earlier[0]["val/reward_mean"]), float(later[-1]["val/reward_mean"])
+    assert line.endswith(f"{number(first)} → {number(last)}  (step 1 → 6)"), line
+    # the grids keep the run's schedule (every 2 steps: 4 and 6 after a resume at 3, as a run never stopped)
+    [samples] = [c for c in resumed.trainer.callbacks if isinstance(c, SampleImages)]
+    assert [p.name for p in samples.written] == ["step_000004.png", "step_000006.png"]
+    # each run logs to a folder of its own: the summary says which holds which steps
+    at = next(i for i, x in enumerate(summary.lines) if x.lstrip().startswith("logs"))
+    # (the earlier run's folder as it wrote it: this test copied the run elsewhere to resume it)
+    assert summary.lines[at].split(None, 1)[1] == f"{cli.trainer.log_dir}/ (metrics.csv): steps 0 → 3", summary.lines
+    assert summary.lines[at + 1].strip() == f"{resumed.trainer.log_dir}/ (metrics.csv): steps 3 → 6"
 
 
 def test_validate_an_adapter_names_it_on_the_grid_file_and_in_the_summary(fitted, tmp_path, capsys):

@@ -2,7 +2,8 @@
 lagging theta_old resumes from a mid-run checkpoint bit for bit (theta_old is in the checkpoint), and so do DGPO (its
 theta_old, its rollout under theta_old) and Flow-DPPO; the first update's
 theta_old convention (theta_old = theta: no forward of its own) and its lag afterwards, counted in the logged passes;
-JAGG over the levels makes one backward per micro-batch where the exact update makes K."""
+JAGG over the levels makes one backward per micro-batch where the exact update makes K, and RoutingStats plots no
+SDE windows for it."""
 
 import random
 
@@ -12,6 +13,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, ObjectiveConfig, PromptDataModule, SamplingConfig
+from jagg_lightning.callbacks import RoutingStats
 
 from helpers import tiny_policy_config
 
@@ -31,7 +33,7 @@ class Passes(Callback):
                           float(m["train/reward_mean"]), float(m["train/routed_frac"])))
 
 
-def run(seed, root, steps, objective, checkpoint=None, ckpt_path=None):
+def run(seed, root, steps, objective, checkpoint=None, ckpt_path=None, callbacks=()):
     module = JAGGModule(tiny_policy_config(resolution=64), SamplingConfig(num_steps=4, group_size=2, rollout_batch_size=4),
                         GRPOConfig(train_batch_size=2), JAGGConfig(window_size=2),
                         optimizer=lambda p: torch.optim.AdamW(p, lr=0.05), seed=seed,
@@ -39,7 +41,7 @@ def run(seed, root, steps, objective, checkpoint=None, ckpt_path=None):
     passes = Passes()
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=checkpoint is not None, default_root_dir=root,
-                        callbacks=[passes] + ([checkpoint] if checkpoint else []))
+                        callbacks=[passes, *callbacks] + ([checkpoint] if checkpoint else []))
     trainer.fit(module, PromptDataModule(prompts=PROMPTS, batch_size=2, seed=seed), ckpt_path=ckpt_path)
     return passes.rows, [p.detach().clone() for p in module.policy.lora_parameters()], module
 
@@ -77,7 +79,10 @@ def test_jagg_over_levels_through_the_trainer(tmp_path):
     counts = {}
     for jagg in (False, True):
         rows, weights, module = run(0, tmp_path / str(jagg), 1,
-                                    dict(name="awm", num_levels=LEVELS, shared_noise=True, jagg=jagg))
+                                    dict(name="awm", num_levels=LEVELS, shared_noise=True, jagg=jagg),
+                                    callbacks=[RoutingStats()])
+        # no SDE windows routed: no routing.png (a per-timestep plot of windows it never had) for the summary to list
+        assert not list((tmp_path / str(jagg)).rglob("*.png"))
         counts[jagg] = rows[0][:2] + rows[0][3:]
         assert module.exact_backwards == 2 * LEVELS
         assert [w.steps for w in module.windows] == [tuple(range(LEVELS))]
