@@ -18,6 +18,7 @@ from jagg_lightning.method.grpo import group_advantages
 from jagg_lightning.policies import build_policy, detect_family
 
 from family_cases import CASES, PROMPTS, TRAINING_CASES, module_for, tiny_fit_args
+from plan_checks import assert_folder_plans_as_twin
 from helpers import exact_per_step_gradient, lora_grads, randomize_lora_b, rel_error
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +51,12 @@ def test_detection_picks_the_family_class(case, twin_dirs):
     policy = build_policy(config)
     assert type(policy).__name__ == case.policy_class and policy.family == case.family
     assert policy.pipeline_class.__name__ == type(case.build(0, torch.float32)).__name__
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name == c.family], ids=str)
+def test_jagg_plan_reads_the_saved_twin_as_the_twin(case, twin_dirs):
+    """`jagg plan` on the saved folder (its JSON files only) plans what the twin on meta plans."""
+    assert_folder_plans_as_twin(case.family, twin_dirs[case.name], (32, 32), **case.overrides)
 
 
 @by_case
