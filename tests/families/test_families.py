@@ -53,9 +53,10 @@ def test_detection_picks_the_family_class(case, twin_dirs):
     assert policy.pipeline_class.__name__ == type(case.build(0, torch.float32)).__name__
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.name == c.family], ids=str)
+@pytest.mark.parametrize("case", [c for c in CASES if c.family == "z_image"], ids=str)
 def test_jagg_plan_reads_the_saved_twin_as_the_twin(case, twin_dirs):
-    """`jagg plan` on the saved folder (its JSON files only) plans what the twin on meta plans."""
+    """`jagg plan` on the saved folder (its JSON files only) plans what the twin on meta plans (the families planned
+    from local folders before issue 56 are read the same way; their presets plan from shipped configs)."""
     assert_folder_plans_as_twin(case.family, twin_dirs[case.name], (32, 32), **case.overrides)
 
 

@@ -93,7 +93,9 @@ PUBLISHED = {
     "Qwen/Qwen-Image": (20e9, 0.5e9),
     "Qwen/Qwen-Image-Edit": (20e9, 0.5e9),  # "20B": Qwen-Image's transformer
     "Tongyi-MAI/Z-Image": (6e9, 0.5e9),  # "6B"
-    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": (14e9, 0.5e9),  # "14B"
+    # "14B" names the Wan2.1 backbone (the T2V config above: 14.29B); the image cross-attention's key / value
+    # projections (40 blocks x 2 x 5120 x 5120) and image embedder add 2.10B
+    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": (16.39e9, 0.05e9),
     "Wan-AI/Wan2.2-TI2V-5B-Diffusers": (5e9, 0.5e9),  # "5B"  # "20B"
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": (14e9, 0.5e9),  # "14B" per expert
     # the names' figures, not roundings of the count: Wan2.1's "1.3B" (30 blocks of width 1536 count 1.42B) and
