@@ -43,6 +43,10 @@ class ModelSpec:
     flow_shift: float = 1.0
     components: dict[str, int] = field(default_factory=dict)  # frozen parts (text encoders, VAE): parameter counts
     published: str = ""  # the published transformer size, with its source
+    # what a conditioned family's images become (shapes.geometry): Qwen-Image-Edit's source area and Qwen2.5-VL's
+    # patching (source_area, vision_patch, vision_merge, vision_min_pixels, vision_max_pixels); Wan2.1 I2V's CLIP
+    # image tokens (image_tokens)
+    condition: dict = field(default_factory=dict)
 
     def transformer_class(self) -> type[nn.Module]:
         import diffusers
@@ -91,19 +95,29 @@ def shipped_spec(folder: Path, hub_id: str | None = None) -> ModelSpec:
         clip_tokens=spec.get("clip_tokens", 0), distilled=hub_id in spec.get("distilled_ids", ()),
         boundary_ratio=spec.get("boundary_ratio"), flow_shift=spec.get("flow_shift", 1.0),
         components={name: component_count(entry) for name, entry in spec["components"].items()},
-        published=spec.get("published_transformer", ""))
+        published=spec.get("published_transformer", ""), condition=spec.get("condition", {}))
 
 
 FAMILY_OF_PIPELINE = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext",
                       "Flux2KleinPipeline": "flux2",
-                      "Flux2Pipeline": "flux2_dev", "QwenImagePipeline": "qwen_image", "WanPipeline": "wan"}
-FAMILY_OF_PIPELINE["LTX2Pipeline"] = "ltx2"
+                      "Flux2Pipeline": "flux2_dev", "QwenImagePipeline": "qwen_image", "WanPipeline": "wan",
+                      "QwenImageEditPipeline": "qwen_image_edit",
+                      "ZImagePipeline": "z_image",
+                      "WanImageToVideoPipeline": "wan_i2v",
+                      "LTX2Pipeline": "ltx2"}
+# a family whose folder's model_index.json names another family's pipeline: named by policy.family
+SAME_FOLDER = {"wan22_ti2v": ("wan", "wan_i2v")}
+VIDEO = {"wan": ((480, 832), 81), "wan_i2v": ((480, 832), 81), "wan22_ti2v": ((704, 1280), 121),
+         "ltx2": ((512, 768), 121)}  # native shapes
 
 
-def local_spec(folder: Path) -> ModelSpec:
-    """A local diffusers pipeline folder, read from its JSON files only."""
+def local_spec(folder: Path, named: str | None = None) -> ModelSpec:
+    """A local diffusers pipeline folder, read from its JSON files only (``named``: ``policy.family``, where the
+    folder's pipeline class does not say it)."""
     index = json.loads((folder / "model_index.json").read_text())
     family = FAMILY_OF_PIPELINE.get(index["_class_name"])
+    if named in SAME_FOLDER and family in SAME_FOLDER[named] or family == "wan_i2v" and index.get("expand_timesteps"):
+        family = "wan22_ti2v"  # Wan2.2 TI2V-5B: its folder says WanPipeline, its image-to-video mode is this family
     if family is None:
         raise ValueError(f"policy.pretrained: jagg plan has no memory plan for {index['_class_name']} yet "
                          f"(planned: {', '.join(FAMILY_OF_PIPELINE)})")
@@ -138,13 +152,41 @@ def local_spec(folder: Path) -> ModelSpec:
     tokenizer = folder / "tokenizer" / "tokenizer_config.json"
     clip = json.loads(tokenizer.read_text()).get("model_max_length", 77) if family == "sd3" and tokenizer.is_file() else 0
     scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
-    native = {"wan": (480, 832), "qwen_image": (1024, 1024), "ltx2": (512, 768)}.get(family, (sample, sample))
+    native, frames = VIDEO.get(family, ({"qwen_image": (1024, 1024)}.get(family, (sample, sample)), 1))
     return ModelSpec(family, transformer, f"{folder} (local pipeline)", experts=2 if (index.get("transformer_2") or
                      [None])[0] else 1, vae_spatial=spatial, vae_temporal=temporal, native_size=native,
-                     native_frames={"wan": 81, "ltx2": 121}.get(family, 1), clip_tokens=clip,
+                     native_frames=frames, clip_tokens=clip,
                      distilled=bool(index.get("is_distilled", False)), boundary_ratio=index.get("boundary_ratio"),
                      flow_shift=float(scheduler.get("flow_shift") or scheduler.get("shift") or 1.0),
-                     components=components)
+                     components=components, condition=local_condition(folder, family))
+
+
+def local_condition(folder: Path, family: str) -> dict:
+    """:attr:`ModelSpec.condition` from a local folder: the CLIP image encoder's tokens (Wan2.1 I2V), Qwen2.5-VL's
+    patching from the processor's ``preprocessor_config.json`` (Qwen-Image-Edit's published folder) or the
+    ``image_processor`` of its ``processor_config.json`` (as transformers 5 saves a processor)."""
+    if family == "wan_i2v" and (folder / "image_encoder" / "config.json").is_file():
+        vision = json.loads((folder / "image_encoder" / "config.json").read_text())
+        return {"image_tokens": (vision["image_size"] // vision["patch_size"]) ** 2 + 1}
+    if family == "qwen_image_edit":
+        legacy, unified = folder / "processor" / "preprocessor_config.json", folder / "processor" / "processor_config.json"
+        if legacy.is_file():
+            return vision_patching(json.loads(legacy.read_text()))
+        return vision_patching(json.loads(unified.read_text())["image_processor"])
+    return {}
+
+
+def vision_patching(processor: dict) -> dict:
+    """Qwen-Image-Edit's condition: the source area ``QwenImageEditPipeline`` resizes to and Qwen2.5-VL's patching
+    (``Qwen2VLImageProcessor``'s settings: its ``min_pixels`` / ``max_pixels``, or ``size``'s
+    ``shortest_edge`` / ``longest_edge``)."""
+    from jagg_lightning.policies.qwen_image_edit import SOURCE_AREA
+
+    size = processor.get("size") or {}
+    return {"source_area": SOURCE_AREA, "vision_patch": int(processor.get("patch_size", 14)),
+            "vision_merge": int(processor.get("merge_size", 2)),
+            "vision_min_pixels": int(processor.get("min_pixels") or size.get("shortest_edge", 56 * 56)),
+            "vision_max_pixels": int(processor.get("max_pixels") or size.get("longest_edge", 28 * 28 * 1280))}
 
 
 def twin_spec(family: str) -> ModelSpec:
@@ -156,15 +198,16 @@ def twin_spec(family: str) -> ModelSpec:
     comps = {n: sum(p.numel() for p in m.parameters()) for n, m in pipe.components.items()
              if isinstance(m, nn.Module) and not n.startswith("transformer")}
     vae = pipe.vae.config
-    if family in ("wan", "wan22"):
+    if family in ("wan", "wan22", "wan_i2v", "wan22_ti2v"):
         spatial, temporal, native, frames = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal, 32, 9
     elif family == "ltx2":
         spatial, temporal, native, frames = pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio, 32, 9
     else:
         spatial = getattr(pipe, "vae_scale_factor", None) or 2 ** (len(vae.block_out_channels) - 1)
         temporal, frames = 1, 1
-        native = pipe.transformer.config.sample_size * spatial if family == "sd3" else 32 if family == "qwen_image" \
-            else vae.get("sample_size") or pipe.default_sample_size * spatial
+        tiny = getattr(FAMILIES[family].policy_class(), "tiny_size", None)  # Qwen-Image's: 32 px, Edit's 64
+        native = pipe.transformer.config.sample_size * spatial if family == "sd3" else tiny \
+            or vae.get("sample_size") or pipe.default_sample_size * spatial
         native = native if isinstance(native, int) else native[0]
     config = dict(pipe.transformer.config) | {"_class_name": type(pipe.transformer).__name__}
     two = getattr(pipe, "transformer_2", None) is not None
@@ -172,12 +215,37 @@ def twin_spec(family: str) -> ModelSpec:
                      experts=2 if two else 1, vae_spatial=spatial, vae_temporal=temporal, native_size=(native, native),
                      native_frames=frames, clip_tokens=getattr(pipe, "tokenizer_max_length", 0) if family == "sd3" else 0,
                      boundary_ratio=pipe.config.get("boundary_ratio"), flow_shift=float(
-                         pipe.scheduler.config.get("shift") or 1.0), components=comps)
+                         pipe.scheduler.config.get("shift") or 1.0), components=comps,
+                     condition=twin_condition(family, pipe))
 
 
-# the families jagg plan sizes (shapes.geometry); a named other one is refused before anything is read
-PLANNED_FAMILIES = ("sd3", "flux", "flux_kontext", "flux2", "flux2_dev", "qwen_image", "wan", "wan22")
-PLANNED_FAMILIES += ("ltx2",)
+def twin_condition(family: str, pipe) -> dict:
+    """:attr:`ModelSpec.condition` of a twin's pipeline: its CLIP image encoder's tokens (Wan2.1 I2V), its VL
+    processor's patching (Qwen-Image-Edit) -- the same rules as :func:`local_condition`."""
+    if family == "wan_i2v" and pipe.image_encoder is not None:
+        encoder = pipe.image_encoder.config
+        return {"image_tokens": (encoder.image_size // encoder.patch_size) ** 2 + 1}
+    if family == "qwen_image_edit":
+        return vision_patching(pipe.processor.image_processor.to_dict())
+    return {}
+
+
+# the families jagg plan sizes (shapes.geometry), one a line; a named other one is refused before anything is read
+PLANNED_FAMILIES = (
+    "sd3",
+    "flux",
+    "flux_kontext",
+    "flux2",
+    "flux2_dev",
+    "qwen_image",
+    "qwen_image_edit",
+    "z_image",
+    "wan",
+    "wan22",
+    "wan_i2v",
+    "wan22_ti2v",
+    "ltx2",
+)
 
 
 def model_spec(policy) -> ModelSpec:
@@ -191,7 +259,7 @@ def model_spec(policy) -> ModelSpec:
         return twin_spec(policy.family or "sd3")
     local = find_local(policy.pretrained)
     if local is not None and (Path(local) / "model_index.json").is_file():
-        return local_spec(Path(local))
+        return local_spec(Path(local), policy.family)
     shipped = shipped_specs()
     if policy.pretrained in shipped:
         return shipped_spec(shipped[policy.pretrained], policy.pretrained)

@@ -29,7 +29,7 @@ from torch import nn
 
 from jagg_lightning.config import image_size
 from jagg_lightning.memory_plan.models import ModelSpec, meta_network, model_spec
-from jagg_lightning.memory_plan.shapes import Geometry, geometry, transformer_inputs
+from jagg_lightning.memory_plan.shapes import Geometry, condition_images, geometry, transformer_inputs, vision_tokens
 from jagg_lightning.memory_plan.trace import traced_activation_bytes
 from jagg_lightning.method.jagg import Window
 from jagg_lightning.training.passes import fused_graph_steps, fused_samples, pass_plan
@@ -117,7 +117,7 @@ def guided(spec: ModelSpec, policy, sampling) -> bool:
         return False
     if spec.family == "flux2":
         return scale > 1.0 and not spec.distilled
-    if spec.family == "wan" and spec.experts == 2:
+    if spec.family in ("wan", "wan_i2v") and spec.experts == 2:
         return scale > 1.0 or (policy.guidance_scale_2 or 1.0) > 1.0
     return scale > 1.0
 
@@ -148,7 +148,8 @@ def plan_memory(policy, sampling, grpo, jagg, memory, prompts_per_device: int, s
                 text_tokens: int | None = None, progress: Callable[[str], None] | None = None) -> MemoryPlan:
     """The per-device table of one training step of this config (see the module docstring). The condition's tokens:
     ``text_tokens``, else SD3's CLIP tokens + ``max_sequence_length`` and every other family's padded
-    ``max_sequence_length`` (Qwen-Image's prompts are cut there, shorter ones cost less: the bound). ``progress``
+    ``max_sequence_length`` (Qwen-Image's prompts are cut there, shorter ones cost less: the bound; Qwen-Image-Edit's
+    add the source's Qwen2.5-VL image tokens, :func:`~jagg_lightning.memory_plan.shapes.vision_tokens`). ``progress``
     is told (one line) before each trace, the slow part (a large model: minutes)."""
     from jagg_lightning.policies import FAMILIES
 
@@ -158,7 +159,10 @@ def plan_memory(policy, sampling, grpo, jagg, memory, prompts_per_device: int, s
     size = image_size(policy.resolution, spec.native_size)
     frames = policy.num_frames or spec.native_frames
     text = text_tokens or spec.clip_tokens + policy.max_sequence_length
-    geo = geometry(spec.family, spec.transformer, spec.vae_spatial, spec.vae_temporal, size, frames, text)
+    if spec.family == "qwen_image_edit" and not text_tokens:  # Qwen2.5-VL reads the source with the instruction
+        text += vision_tokens(size, spec.condition)
+    geo = geometry(spec.family, spec.transformer, spec.vae_spatial, spec.vae_temporal, size, frames, text,
+                   spec.condition)
     cfg = guided(spec, policy, sampling)
     rows_per_sample = 2 if cfg else 1
 
@@ -254,14 +258,15 @@ def layout(spec, setup, geo, policy, sampling, grpo, jagg, memory, prompts, trac
     buffers = (S + 1) * n * latent + S * n * latent + S * n * master.itemsize + (S * n * latent if grpo.kl_beta > 0 else 0)
     rows.append(Row("rollout buffers", buffers, f"{n} samples x {S} steps: latents, velocities, log-probs"
                     + (", reference velocities" if grpo.kl_beta > 0 else "")))
-    text_dim = spec.transformer.get("joint_attention_dim") or spec.transformer.get("text_dim") or 0
+    config = spec.transformer
+    text_dim = config.get("joint_attention_dim") or config.get("text_dim") or config.get("cap_feat_dim") or 0
     if spec.family == "ltx2":  # the video and the audio connectors' embeddings of each prompt (LTX-2.0: both this wide)
-        text_dim = 2 * spec.transformer["caption_channels"]
+        text_dim = 2 * config["caption_channels"]
     cond = n * traced["rows_per_sample"] * geo.text * text_dim * dtype.itemsize
     what = f"{geo.text} tokens x {text_dim} per sample and branch"
-    if spec.family == "flux_kontext":  # the source's packed latent tokens travel with each sample's condition
-        cond += n * geo.tokens // 2 * spec.transformer["in_channels"] * dtype.itemsize
-        what += f", and the source's {geo.tokens // 2} tokens x {spec.transformer['in_channels']}"
+    images, images_what = condition_images(geo, config, dtype.itemsize)  # the sources, first frames: per sample
+    if images:
+        cond, what = cond + n * images, what + f", and {images_what}"
     rows.append(Row("prompt condition", cond, what))
     resident = sum(r.bytes for r in rows)
 

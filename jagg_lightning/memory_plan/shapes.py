@@ -25,15 +25,18 @@ class Geometry:
     tokens: int
     text: int
     grid: tuple[int, ...]  # the token grid: (rows, cols), or (frames, rows, cols) for video
+    source: tuple[int, ...] = ()  # Qwen-Image-Edit: the source's token grid, its tokens after the latent's in `tokens`
+    image: int = 0  # Wan2.1 I2V: the CLIP image tokens beside the text (the transformer's image embedding)
 
 
 def geometry(family: str, config: dict, spatial: int, temporal: int, size: tuple[int, int], frames: int,
-             text: int) -> Geometry:
+             text: int, condition: dict | None = None) -> Geometry:
     """The latent and token counts of ``family`` for a transformer ``config`` (its config.json), a VAE of
-    ``spatial`` (and ``temporal``) compression, an image of ``size`` = (H, W) pixels, ``frames`` (video) and
-    ``text`` condition tokens."""
+    ``spatial`` (and ``temporal``) compression, an image of ``size`` = (H, W) pixels, ``frames`` (video), ``text``
+    condition tokens and the family's ``condition`` (``ModelSpec.condition``: what its condition images become)."""
     h, w = size[0] // spatial, size[1] // spatial
     c = int(config.get("in_channels", 16))
+    condition = condition or {}
     if family == "sd3":
         p = int(config.get("patch_size", 2))
         return Geometry(family, (c, h, w), (h // p) * (w // p), text, (h // p, w // p))
@@ -45,6 +48,13 @@ def geometry(family: str, config: dict, spatial: int, temporal: int, size: tuple
         return Geometry(family, (c, h // 2, w // 2), (h // 2) * (w // 2), text, (h // 2, w // 2))
     if family == "qwen_image":  # packed tokens [S, 4C]
         return Geometry(family, ((h // 2) * (w // 2), c), (h // 2) * (w // 2), text, (h // 2, w // 2))
+    if family == "qwen_image_edit":  # Qwen-Image's, plus the source's packed tokens (about a megapixel) after them
+        rows, cols = source_grid(size, spatial, condition["source_area"])
+        return Geometry(family, ((h // 2) * (w // 2), c), (h // 2) * (w // 2) + rows * cols, text, (h // 2, w // 2),
+                        source=(rows, cols))
+    if family == "z_image":  # the latent [C, H', W'], patchified by the transformer
+        p = int(config.get("all_patch_size", (2,))[0])
+        return Geometry(family, (c, h, w), (h // p) * (w // p), text, (h // p, w // p))
     if family == "wan":
         f = (frames - 1) // temporal + 1
         p = config.get("patch_size", (1, 2, 2))
@@ -54,8 +64,61 @@ def geometry(family: str, config: dict, spatial: int, temporal: int, size: tuple
         grid = ((frames - 1) // temporal + 1, h, w)  # LTX-2's 1x1x1 patches
         tokens = grid[0] * h * w + ltx2_audio_tokens(config, frames)
         return Geometry(family, (tokens, c), tokens, text, grid)
-    raise ValueError(f"jagg plan: family {family!r} has no memory plan yet "
-                     "(planned: sd3, flux, flux_kontext, flux2, flux2_dev, qwen_image, wan)")
+    if family in ("wan_i2v", "wan22_ti2v"):  # the transformer sees more than the SDE samples
+        f, p = (frames - 1) // temporal + 1, config.get("patch_size", (1, 2, 2))
+        grid = (f // p[0], h // p[1], w // p[2])
+        c = int(config.get("out_channels") or c)  # I2V: in_channels = C + mask + the image's latent
+        # TI2V: the image's latent is the first latent frame, the SDE samples the others
+        latent = (c, f - 1, h, w) if family == "wan22_ti2v" else (c, f, h, w)
+        return Geometry(family, latent, grid[0] * grid[1] * grid[2], text, grid, image=condition.get("image_tokens", 0) if config.get("image_dim") else 0)
+    raise ValueError(f"jagg plan: family {family!r} has no memory plan yet")
+
+
+def source_grid(size: tuple[int, int], spatial: int, area: int) -> tuple[int, int]:
+    """(rows, cols) of Qwen-Image-Edit's packed source tokens for a sampled ``size`` = (H, W): the pipeline resizes
+    every source to ``calculate_dimensions(area, W / H)`` (about ``area`` pixels, sides multiples of 32) whatever size
+    is sampled, then the VAE (``spatial``) and the 2x2 packing."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    width, height, _ = calculate_dimensions(area, size[1] / size[0])
+    return height // (2 * spatial), width // (2 * spatial)
+
+
+def vision_tokens(size: tuple[int, int], condition: dict) -> int:
+    """Qwen2.5-VL's merged image tokens for Qwen-Image-Edit's source at a sampled ``size`` (H, W): the source at
+    ``calculate_dimensions`` size through the processor's ``smart_resize`` (patch x merge pixels per token, the
+    processor's min / max pixels) -- plus ``<|vision_start|>`` and ``<|vision_end|>``."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    width, height, _ = calculate_dimensions(condition["source_area"], size[1] / size[0])
+    factor = condition["vision_patch"] * condition["vision_merge"]
+    rows, cols = smart_resize(height, width, factor=factor, min_pixels=condition["vision_min_pixels"],
+                              max_pixels=condition["vision_max_pixels"])
+    return (rows // factor) * (cols // factor) + 2
+
+
+def condition_images(geo: Geometry, config: dict, itemsize: int) -> tuple[int, str]:
+    """(bytes per sample, what) of the condition's image entries beside the text, as the family's ``encode_prompts``
+    keeps them for the whole step (frozen, once per sample: both CFG branches share them): Kontext's and
+    Qwen-Image-Edit's source tokens, Wan2.1 I2V's mask + image latent [4 + C, F', H', W'] (float32, as the pipeline
+    normalises it) and CLIP tokens, TI2V's image latent frame (float32). ``itemsize``: the condition's dtype."""
+    f, c = geo.family, int(config.get("in_channels", 16))
+    if f == "flux_kontext":
+        return geo.tokens // 2 * c * itemsize, f"the source's {geo.tokens // 2} tokens x {c}"
+    if f == "qwen_image_edit":
+        rows, cols = geo.source
+        return rows * cols * c * itemsize, f"the source's {rows * cols} tokens x {c}"
+    if f == "wan_i2v":
+        channels, frames, h, w = config["in_channels"] - geo.latent[0], *geo.latent[1:]
+        image = geo.image * int(config.get("image_dim") or 0)
+        return (channels * frames * h * w * 4 + image * itemsize,
+                f"the image's mask + latent [{channels}, {frames}, {h}, {w}]" + (f", {geo.image} CLIP tokens" if image
+                                                                                  else ""))
+    if f == "wan22_ti2v":
+        return geo.latent[0] * math.prod(geo.latent[2:]) * 4, f"the image's latent frame [{geo.latent[0]}, 1, " \
+            f"{geo.latent[2]}, {geo.latent[3]}]"
+    return 0, ""
 
 
 def ltx2_audio_tokens(config: dict, frames: int, frame_rate: float = 24.0) -> int:
@@ -90,10 +153,15 @@ def transformer_inputs(geo: Geometry, config: dict, batch: int, dtype: torch.dty
                                                                      dtype=dtype),
                     txt_ids=torch.zeros(geo.text, 4, dtype=torch.long), img_ids=torch.zeros(geo.tokens, 4, dtype=torch.long),
                     return_dict=False)
-    if f == "qwen_image":
-        return dict(hidden_states=torch.zeros(n, *geo.latent, dtype=dtype), timestep=t,
+    if f in ("qwen_image", "qwen_image_edit"):  # Edit: the latent's tokens followed by the source's, both grids
+        shapes = [(1, *geo.grid)] + ([(1, *geo.source)] if geo.source else [])
+        return dict(hidden_states=torch.zeros(n, geo.tokens, config["in_channels"], dtype=dtype), timestep=t,
                     encoder_hidden_states=torch.zeros(n, geo.text, config["joint_attention_dim"], dtype=dtype),
-                    encoder_hidden_states_mask=None, img_shapes=[[(1, *geo.grid)]] * n, return_dict=False)
+                    encoder_hidden_states_mask=None, img_shapes=[shapes] * n, return_dict=False)
+    if f == "z_image":  # per-sample lists: one frame [C, 1, H', W'] and the prompt's valid tokens
+        return dict(x=[torch.zeros(geo.latent[0], 1, *geo.latent[1:], dtype=dtype) for _ in range(n)], t=t,
+                    cap_feats=[torch.zeros(geo.text, config["cap_feat_dim"], dtype=dtype) for _ in range(n)],
+                    return_dict=False)
     if f == "wan":
         return dict(hidden_states=torch.zeros(n, *geo.latent, dtype=dtype), timestep=t * 1000,
                     encoder_hidden_states=torch.zeros(n, geo.text, config["text_dim"], dtype=dtype), return_dict=False)
@@ -110,4 +178,15 @@ def transformer_inputs(geo: Geometry, config: dict, batch: int, dtype: torch.dty
                     audio_encoder_attention_mask=torch.ones(n, geo.text, dtype=torch.long), num_frames=geo.grid[0],
                     height=geo.grid[1], width=geo.grid[2], fps=24.0, audio_num_frames=audio, use_cross_timestep=True,
                     return_dict=False)
+    if f in ("wan_i2v", "wan22_ti2v"):  # what WanI2VPolicy / Wan22TI2VPolicy hand the expert
+        c, frames, h, w = geo.latent
+        text = torch.zeros(n, geo.text, config["text_dim"], dtype=dtype)
+        if f == "wan22_ti2v":  # the image's latent frame first; per-token timesteps, 0 on its tokens
+            tokens = geo.grid[1] * geo.grid[2]
+            timestep = torch.cat([torch.zeros(n, tokens), torch.full((n, frames * tokens), 500.0)], dim=1)
+            return dict(hidden_states=torch.zeros(n, c, frames + 1, h, w, dtype=dtype), timestep=timestep,
+                        encoder_hidden_states=text, return_dict=False)
+        image = torch.zeros(n, geo.image, config["image_dim"], dtype=dtype) if geo.image else None
+        return dict(hidden_states=torch.zeros(n, config["in_channels"], frames, h, w, dtype=dtype), timestep=t * 1000,
+                    encoder_hidden_states=text, encoder_hidden_states_image=image, return_dict=False)
     raise ValueError(f"jagg plan: family {f!r} has no memory plan yet")

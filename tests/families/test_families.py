@@ -19,6 +19,7 @@ from jagg_lightning.policies import build_policy, detect_family
 
 from family_cases import CASES, PROMPTS, TRAINING_CASES, module_for, tiny_fit_args
 from helpers import MeanIntensity, exact_per_step_gradient, lora_grads, nonzero_advantages, randomize_lora_b, rel_error
+from plan_checks import assert_folder_plans_as_twin
 
 ROOT = Path(__file__).resolve().parents[2]
 by_case = pytest.mark.parametrize("case", CASES, ids=str)
@@ -50,6 +51,13 @@ def test_detection_picks_the_family_class(case, twin_dirs):
     policy = build_policy(config)
     assert type(policy).__name__ == case.policy_class and policy.family == case.family
     assert policy.pipeline_class.__name__ == type(case.build(0, torch.float32)).__name__
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.family == "z_image"], ids=str)
+def test_jagg_plan_reads_the_saved_twin_as_the_twin(case, twin_dirs):
+    """`jagg plan` on the saved folder (its JSON files only) plans what the twin on meta plans (the families planned
+    from local folders before issue 56 are read the same way; their presets plan from shipped configs)."""
+    assert_folder_plans_as_twin(case.family, twin_dirs[case.name], (32, 32), **case.overrides)
 
 
 @by_case

@@ -22,6 +22,7 @@ from jagg_lightning.policies.qwen_image_edit import QwenImageEditPolicy, build_t
 
 from family_cases import CONDITIONED_PROMPTS as PROMPTS, tiny_fit_args
 from helpers import MeanIntensity, exact_per_step_gradient, nonzero_advantages, randomize_lora_b, rel_error
+from plan_checks import assert_folder_plans_as_twin
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5
@@ -83,6 +84,12 @@ def policy_ode(policy, z, steps, prompts=PROMPTS):
 
 
 # ---------------------------------------------------------------------------------------------- the twin
+def test_jagg_plan_reads_the_saved_twin_as_the_twin(twin_dir):
+    """`jagg plan` on the saved folder (its JSON files: the processor's patching, the 16x VAE) plans what the twin on
+    meta plans, tall: the same source grid, vision tokens, traced activations and rows."""
+    assert_folder_plans_as_twin("qwen_image_edit", twin_dir, tuple(TALL), guidance_scale=4.0)
+
+
 def test_twin_round_trips_and_the_vision_tower_reads_the_source(twin_dir, small_sources, rng_seed):
     """Detection from the saved twin's model_index.json; its processor's tokenizer spells the template's system prefix
     in the 64 tokens the pipeline drops; built and loaded twins give the same velocity; the prompt embeddings (not

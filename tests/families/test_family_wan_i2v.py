@@ -17,7 +17,6 @@ from peft import PeftModel
 
 from jagg_lightning.cli import cli_main
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.memory_plan.models import model_spec
 from jagg_lightning.method.grpo import group_advantages
 from jagg_lightning.policies import PolicyConfig, build_policy, detect_family
 from jagg_lightning.policies.wan_i2v import build_tiny_wan_i2v_pipeline
@@ -25,6 +24,7 @@ from jagg_lightning.utils.batching import batch_slice
 
 from family_cases import tiny_fit_args
 from helpers import exact_per_step_gradient, nonzero_advantages, randomize_lora_b, rel_error
+from plan_checks import assert_folder_plans_as_twin
 from wan_i2v_twins import PROMPTS, TWINS, build, config, module_for, pipeline_latents, save_tiny_clip
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,6 +71,13 @@ def test_detection_and_roundtrip(twin, twin_dirs, rng_seed):
     assert torch.equal(v_built, v_loaded) and torch.equal(built.schedule(6), loaded.schedule(6))
 
 
+@by_twin
+def test_jagg_plan_reads_the_saved_twin_as_the_twin(twin, twin_dirs):
+    """`jagg plan` on the saved folder (its JSON files: the CLIP encoder's tokens, the TI2V VAE's 16x) plans what the
+    twin on meta plans, on a wide clip of 5 frames."""
+    assert_folder_plans_as_twin(twin, twin_dirs[twin], (32, 64), frames=5, max_sequence_length=512)
+
+
 def test_what_the_families_refuse_names_the_field():
     i2v, ti2v = build("wan_i2v"), build("wan22_ti2v")
     with pytest.raises(ValueError, match="policy.max_sequence_length must be 512"):
@@ -84,9 +91,6 @@ def test_what_the_families_refuse_names_the_field():
     policy = build_policy(config(family="wan22_ti2v"), pipeline=ti2v)
     with pytest.raises(ValueError, match="'a cat' has 0 condition image"):
         policy.encode_prompts(["a cat"])
-    for family in TWINS:
-        with pytest.raises(ValueError, match=f"jagg plan has no memory plan for the {family} family"):
-            model_spec(PolicyConfig(family=family))
 
 
 # the twin's 32 px x 9 frames, and a wide clip of 5 frames (a multiple of 32 per side: the TI2V VAE's 16x x 2x2 patches)

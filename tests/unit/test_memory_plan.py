@@ -3,6 +3,7 @@ allocated) against the real policies and ``Sampler.activation_bytes``; and the s
 against the published figures."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from jagg_lightning.memory_plan import Setup, plan_memory
 from jagg_lightning.memory_plan.models import model_spec, shipped_spec, shipped_specs, twin_spec
 from jagg_lightning.memory_plan.plan import base_params
 from jagg_lightning.policies import build_policy
+from jagg_lightning.models.conditions import ConditionedPrompt
 from jagg_lightning.training.sampler import Sampler
 
 from helpers import fresh_seed
@@ -25,7 +27,13 @@ TWINS = {  # family -> policy settings of a twin (guided where the family has CF
     "wan": dict(guidance_scale=3.0),
     "wan22": dict(guidance_scale=3.0, guidance_scale_2=2.0),
     "qwen_image": dict(guidance_scale=1.0),
+    # the conditioned families: their images' tokens and latents in the transformer's inputs, both CFG branches
+    "qwen_image_edit": dict(guidance_scale=4.0),  # the source's 1,024 tokens after the latent's 4
+    "z_image": dict(guidance_scale=5.0),
+    "wan_i2v": dict(guidance_scale=3.0, max_sequence_length=512),  # 36 input channels, 17 CLIP tokens beside the text
+    "wan22_ti2v": dict(guidance_scale=3.0),  # the image's latent frame first, per-token timesteps
 }
+TEXT_AS_ENCODED = ("qwen_image", "qwen_image_edit", "z_image")  # the condition as long as the prompt (the plan: a bound)
 
 
 def _plan(policy_config, text_tokens=None, **setup):
@@ -36,16 +44,25 @@ def _plan(policy_config, text_tokens=None, **setup):
 
 @pytest.mark.parametrize("family", sorted(TWINS))
 @pytest.mark.parametrize("trainable", ["lora", "full"])
-def test_traced_activations_equal_the_real_policys(family, trainable):
+def test_traced_activations_equal_the_real_policys(family, trainable, monkeypatch):
     """The fake model's saved bytes for one sample equal what ``Sampler.activation_bytes`` measures on the real twin
-    (same unit: distinct storages saved for backward, weights excluded), and the latent shapes agree."""
+    (same unit: distinct storages saved for backward, weights excluded), and the latent shapes agree. Qwen-Image-Edit's
+    source goes to its encoders at 128 x 128 instead of a megapixel, for the policy and the plan alike (both ask
+    diffusers' ``calculate_dimensions``; the real area: test_the_edit_plan_counts_the_sources_tokens_...)."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+
+    original = pipeline_qwenimage_edit.calculate_dimensions
+    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: original(128 * 128, ratio))
     extra = TWINS[family] if trainable == "lora" else {k: v for k, v in TWINS[family].items() if k != "lora_targets"}
     side = 32 if family != "sd3" else 16 * 2 ** (fresh_seed() % 2)  # a resolution other than native, sometimes
     config = PolicyConfig(family=family, trainable=trainable, resolution=side if family == "sd3" else None, **extra)
     policy = build_policy(config)
-    measured = Sampler(policy, SamplingConfig(), 0.0).activation_bytes()  # of the prompt "a"
-    # Qwen-Image's condition is as long as the prompt (the plan's default: the bound, max_sequence_length)
-    text = policy.encode_prompts(["a"])[0].shape[1] if family == "qwen_image" else None
+    sampler = Sampler(policy, SamplingConfig(), 0.0)
+    measured = sampler.activation_bytes()  # of the prompt "a" (with grey condition images where the family takes any)
+    # Qwen-Image's and Z-Image's conditions are as long as the prompt (the plan's default: the bound,
+    # max_sequence_length), Qwen-Image-Edit's with the source's vision tokens (the plan counts them, tested below)
+    probe = ConditionedPrompt("a", [torch.full((3, 8, 8), 0.5)] * policy.condition_images[0])
+    text = sampler.encode([probe])[0].shape[1] if family in TEXT_AS_ENCODED else None
     plan = _plan(dataclasses.replace(config), text_tokens=text)
     assert tuple(plan.geo.latent) == tuple(policy.latent_shape)
     predicted = plan.passes["per_sample_bytes"]
@@ -73,7 +90,13 @@ PUBLISHED = {
     "black-forest-labs/FLUX.1-Kontext-dev": (12e9, 0.5e9),  # "12B": FLUX.1-dev's transformer
     "black-forest-labs/FLUX.2-klein-base-4B": (4e9, 0.5e9),  # "4B"
     "black-forest-labs/FLUX.2-dev": (32e9, 0.5e9),  # "32B"
-    "Qwen/Qwen-Image": (20e9, 0.5e9),  # "20B"
+    "Qwen/Qwen-Image": (20e9, 0.5e9),
+    "Qwen/Qwen-Image-Edit": (20e9, 0.5e9),  # "20B": Qwen-Image's transformer
+    "Tongyi-MAI/Z-Image": (6e9, 0.5e9),  # "6B"
+    # "14B" names the Wan2.1 backbone (the T2V config above: 14.29B); the image cross-attention's key / value
+    # projections (40 blocks x 2 x 5120 x 5120) and image embedder add 2.10B
+    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": (16.39e9, 0.05e9),
+    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": (5e9, 0.5e9),  # "5B"  # "20B"
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": (14e9, 0.5e9),  # "14B" per expert
     # the names' figures, not roundings of the count: Wan2.1's "1.3B" (30 blocks of width 1536 count 1.42B) and
     # SD3.5 Medium's announced "2.5B" (the config, checked against two independent copies, counts 2.24B)
@@ -97,20 +120,60 @@ def test_every_preset_hub_id_has_a_shipped_config():
 
     from jagg_lightning.utils.assets import find_local
 
-    presets = ["sd35_medium", "flux_dev", "flux_kontext_dev", "flux2_klein", "flux2_dev", "qwen_image", "wan21_t2v_1_3b",
-               "wan22_t2v_a14b"]
-    families = ("sd3", "flux", "flux_kontext", "flux2", "flux2_dev", "qwen_image", "wan")
-    for name in presets:
-        pretrained = yaml.safe_load(open(find_local(f"configs/{name}.yaml")))["model"]["policy"]["pretrained"]
-        assert model_spec(PolicyConfig(pretrained=pretrained)).family in families
+    specs = {}  # hub id -> its spec (several presets train one model)
+    for path in sorted(find_local("configs").glob("*.yaml")):
+        config = yaml.safe_load(path.read_text())
+        if (config.get("trainer") or {}).get("accelerator") != "gpu":  # the GPU presets, as test_preset_fits's
+            continue
+        policy = config["model"]["policy"]
+        if policy["pretrained"] not in specs:
+            specs[policy["pretrained"]] = model_spec(PolicyConfig(pretrained=policy["pretrained"]))
+        spec = specs[policy["pretrained"]]
+        assert spec.family == policy.get("family", spec.family) and "shipped config" in spec.source, path.name
 
 
-@pytest.mark.parametrize("pretrained", ["Qwen/Qwen-Image-Edit", None])
-def test_a_family_without_a_plan_is_refused_by_name(pretrained):
-    """The editing families (their source tokens and VL image tokens are not planned): one line naming the family,
-    before any file is looked for -- the hub id, or the twin."""
-    with pytest.raises(ValueError, match="policy.family: jagg plan has no memory plan for the qwen_image_edit family"):
-        model_spec(PolicyConfig(family="qwen_image_edit", pretrained=pretrained))
+def test_every_family_has_a_plan_and_another_name_is_refused():
+    """Every registered family is planned (``test_preset_fits`` then skips no preset); a name that is none of them is
+    refused in one line naming the field, before any file is looked for."""
+    from jagg_lightning.memory_plan.models import PLANNED_FAMILIES
+    from jagg_lightning.policies import FAMILIES
+
+    assert set(FAMILIES) <= set(PLANNED_FAMILIES), sorted(set(FAMILIES) - set(PLANNED_FAMILIES))
+    with pytest.raises(ValueError, match="policy.family: jagg plan has no memory plan for the wan_s2v family"):
+        model_spec(PolicyConfig(family="wan_s2v", pretrained="Wan-AI/Wan2.2-S2V-14B"))
+
+
+@pytest.mark.parametrize("processor_of", ["twin", "published"])
+def test_the_edit_plan_counts_the_sources_tokens_as_the_pipeline_makes_them(processor_of):
+    """Qwen-Image-Edit's source, resized to about a megapixel whatever size is sampled: its Qwen2.5-VL tokens are what
+    a ``Qwen2VLImageProcessor`` with the spec's patching makes of an image of that size (``image_grid_thw``, merged)
+    + the vision start / end tokens -- the twin's processor, and the published settings at a random aspect ratio; on
+    the twin the plan's source grid is the policy's and its condition the instruction's bound + those tokens."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessor
+
+    from jagg_lightning.memory_plan.shapes import vision_tokens
+
+    gen = torch.Generator().manual_seed(fresh_seed())
+    if processor_of == "twin":
+        spec, size = twin_spec("qwen_image_edit"), (64, 32 * int(torch.randint(1, 5, (1,), generator=gen)))
+        policy = build_policy(PolicyConfig(family="qwen_image_edit", resolution=list(size)))
+        processor = policy._pipeline.processor.image_processor
+    else:
+        spec = shipped_spec(shipped_specs()["Qwen/Qwen-Image-Edit"], "Qwen/Qwen-Image-Edit")
+        size = tuple(16 * int(x) for x in torch.randint(32, 128, (2,), generator=gen))
+        c = spec.condition
+        processor = Qwen2VLImageProcessor(min_pixels=c["vision_min_pixels"], max_pixels=c["vision_max_pixels"],
+                                          patch_size=c["vision_patch"], merge_size=c["vision_merge"])
+    width, height, _ = calculate_dimensions(spec.condition["source_area"], size[1] / size[0])
+    grid = processor(images=[Image.new("RGB", (width, height))], return_tensors="pt").image_grid_thw
+    merged = int(grid.prod()) // processor.merge_size ** 2
+    assert vision_tokens(size, spec.condition) == merged + 2 > 2
+    if processor_of == "twin":
+        plan = _plan(PolicyConfig(family="qwen_image_edit", resolution=list(size), max_sequence_length=8))
+        assert plan.geo.source == policy.source_grid and plan.geo.text == 8 + merged + 2
+        assert plan.geo.tokens == math.prod(policy.grid) + math.prod(policy.source_grid)
 
 
 def test_twin_spec_counts_the_twins_components():
