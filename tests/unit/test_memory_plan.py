@@ -5,6 +5,8 @@ against the published figures."""
 import dataclasses
 import math
 
+import re
+
 import pytest
 import torch
 
@@ -135,10 +137,15 @@ def test_every_preset_hub_id_has_a_shipped_config():
 def test_every_family_has_a_plan_and_another_name_is_refused():
     """Every registered family is planned (``test_preset_fits`` then skips no preset); a name that is none of them is
     refused in one line naming the field, before any file is looked for."""
-    from jagg_lightning.memory_plan.models import PLANNED_FAMILIES
+    from jagg_lightning.memory_plan.models import PLANNED_FAMILIES, UNPLANNED_FAMILIES
     from jagg_lightning.policies import FAMILIES
 
-    assert set(FAMILIES) <= set(PLANNED_FAMILIES), sorted(set(FAMILIES) - set(PLANNED_FAMILIES))
+    # a family not planned yet is named with its reason (its presets wait in configs/pending/)
+    assert set(FAMILIES) <= set(PLANNED_FAMILIES) | set(UNPLANNED_FAMILIES), sorted(
+        set(FAMILIES) - set(PLANNED_FAMILIES) - set(UNPLANNED_FAMILIES))
+    for family, why in UNPLANNED_FAMILIES.items():
+        with pytest.raises(ValueError, match=re.escape(f"no memory plan for the {family} family yet: {why}")):
+            model_spec(PolicyConfig(family=family, pretrained="somewhere/else"))
     with pytest.raises(ValueError, match="policy.family: jagg plan has no memory plan for the wan_s2v family"):
         model_spec(PolicyConfig(family="wan_s2v", pretrained="Wan-AI/Wan2.2-S2V-14B"))
 
