@@ -122,8 +122,11 @@ def explain_parse_error(message: str, argv: list[str], known: set[str]) -> str:
         return strategy
     bad = re.search(r'Parser key "([\w.]+)":\s*(.*)', message, re.S)
     if bad:
-        return f"{bad.group(1)}: " + (not_one_of(bad.group(2)) or
-                                      re.sub(r"<class '(\w+)'>", r"\1", one_line(bad.group(2))))
+        # a class's own argument (trainer.strategy's context_parallel_kind) is named inside: name it in full
+        inner = re.findall(r'Parser key "([\w.]+)"', bad.group(2))
+        field = f"{bad.group(1)}.{inner[-1]}" if inner else bad.group(1)
+        return f"{field}: " + (not_one_of(bad.group(2)) or
+                               re.sub(r"<class '(\w+)'>", r"\1", one_line(bad.group(2))))
     return one_line(message)
 
 

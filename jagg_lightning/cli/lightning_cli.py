@@ -46,6 +46,7 @@ from jagg_lightning.cli.errors import (
     missing_package, one_line, strategy_error,
 )
 from jagg_lightning.cli.outputs import check_new_run, follow_root, last_candidates
+from jagg_lightning.cli.quiet import quiet_loading_bars
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.distributed.collectives import end_process_group
 from jagg_lightning.distributed.context_parallel import ContextParallelError
@@ -237,6 +238,11 @@ class JAGGCLI(LightningCLI):
             if self._deferred_loggers:
                 config["trainer.logger"] = given  # what the run saves as its config.yaml: the loggers as given
 
+    def before_validate(self) -> None:  # the pipeline loads when the subcommand runs: its bars off from here
+        quiet_loading_bars()
+
+    before_test = before_predict = before_validate
+
     def before_fit(self) -> None:
         """A new run never replaces an earlier run's adapter or checkpoints (:mod:`jagg_lightning.cli.outputs`: one
         line, before any model is built, unless ``--overwrite true``). ``--ckpt_path last``: Lightning's choice (the
@@ -252,6 +258,7 @@ class JAGGCLI(LightningCLI):
             self._error(str(err))
         if deferred:
             self.trainer.loggers = [self._logger(spec) for spec in deferred]
+        quiet_loading_bars()
         if config.get("ckpt_path") != "last":
             return
         candidates = last_candidates(self.trainer)

@@ -70,7 +70,6 @@ ALLOWED_STDERR = [r"^(\x1b\[A)*(Loading (pipeline components|weights|checkpoint 
 
 
 def quiet_defaults() -> None:
-    quiet_loading_bars()
     for message, category in HARMLESS:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name in QUIET_LOGGERS:
@@ -82,7 +81,9 @@ def quiet_defaults() -> None:
 
 def quiet_loading_bars() -> None:
     """diffusers' and transformers' loading bars ("Loading pipeline components...", "Loading weights") off: every
-    command loads the pipeline (fit, validate, predict), and a bar per component says nothing a run needs."""
+    command loads the pipeline (fit, validate, predict), and a bar per component says nothing a run needs. Called
+    before the classes are built (``JAGGCLI.before_instantiate_classes``), not at start: ``--help`` imports no
+    diffusers."""
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.disable_progress_bar()
