@@ -10,7 +10,7 @@ from lightning.pytorch.utilities.model_summary import summarize
 from transformers.utils import logging as transformers_logging
 
 from jagg_lightning.callbacks import ParameterSummary
-from jagg_lightning.cli.quiet import quiet_defaults
+from jagg_lightning.cli.quiet import quiet_loading_bars
 from jagg_lightning.policies import FAMILIES
 
 
@@ -18,7 +18,7 @@ def test_the_pipeline_loads_without_a_progress_bar(tmp_path, capfd):
     FAMILIES["sd3"].policy_class().build_tiny_pipeline(0, torch.float32).save_pretrained(tmp_path / "pipe")
     capfd.readouterr()
     try:
-        quiet_defaults()
+        quiet_loading_bars()  # what the CLI calls once its loggers are built (fit) or on validate / test / predict
         StableDiffusion3Pipeline.from_pretrained(tmp_path / "pipe", text_encoder_3=None, tokenizer_3=None)
         out, err = capfd.readouterr()
     finally:
