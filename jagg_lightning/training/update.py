@@ -195,16 +195,14 @@ class Updater:
     reads_old_velocity = False  # whether the step loss reads the rollout's velocity (Flow-DPPO's mask: always)
 
     def record_loss(self, v: Tensor, record: StepRecord):
-        """One trained step's per-sample loss [B] and its statistics: GRPO's clipped surrogate (``grpo`` section);
-        an objective with another per-step loss (Flow-DPPO) overrides this alone."""
-        kind, g, s = self.sampling.step_kind, self.grpo, self.sampling
-        return step_loss(v, record, kind, s.noise_level, g.clip_range, g.kl_beta, s.cps_log_prob, g.kl_convention,
-                         g.ratio_norm, g.ratio_reweight)
+        """One step's per-sample loss [B] and statistics: GRPO's clipped surrogate (Flow-DPPO overrides this)."""
+        g, s = self.grpo, self.sampling
+        return step_loss(v, record, s.step_kind, s.noise_level, g.clip_range, g.kl_beta, s.cps_log_prob,
+                         g.kl_convention, g.ratio_norm, g.ratio_reweight)
 
     def step_loss_fn(self, mb: Trajectory, advantages: Tensor, ref_v: Tensor | None, scale: float, stats: list,
                      samples: Tensor | None = None):
-        """(k, v) -> this micro-batch's step-k share of the objective; appends (k, stats) to ``stats``. ``samples``:
-        the micro-batch's rows of the rollout, whose per-sample losses the guard checks (None: no check)."""
+        """(k, v) -> step k's share of the objective, (k, stats) to ``stats``; ``samples``: rows the guard checks."""
         kind, g, s = self.sampling.step_kind, self.grpo, self.sampling
         times = mb.times.tolist()  # one host read per micro-batch, not two per step
         # Flash-GRPO's temporal rectification: a fixed weight per step, from the schedule alone (grpo.py)
@@ -245,8 +243,7 @@ class Updater:
 
     def backward_by_step(self, mb: Trajectory, advantages: Tensor, cond: tuple, update_size: int, plan: RolloutPlan,
                          first_update: bool, stats: list, backward, samples: Tensor) -> list[WindowRecord]:
-        """``sampling.sde_window_draw: group``: the micro-batch's samples grouped by their drawn step, one exact pass per
-        step on its rows (each sample's loss still 1 / (update_size x its one trained step))."""
+        """``sde_window_draw: group``: one exact pass per drawn step on its rows (loss 1 / (update_size x 1 step))."""
         steps, records = self.row_steps.to(samples.device)[samples], []
         for k in sorted(set(steps.tolist())):
             rows = (steps == k).nonzero().flatten()
