@@ -32,14 +32,21 @@ class DigitsHeldOut:
 
 
 class ScenesHeldOut:
-    def __init__(self, samples: int, prompts_file: str = "scenes_heldout", prompts: list | None = None):
+    """``images_per_task``: every task gets at least that many images (its rows repeated, one sample each, as
+    ``GenEvalAccuracy(images_per_task=...)`` draws them) instead of ``samples`` per row."""
+
+    def __init__(self, samples: int, prompts_file: str = "scenes_heldout", prompts: list | None = None,
+                 images_per_task: int | None = None):
         from jagg_lightning.data import read_prompts
+        from jagg_lightning.models.conditions import repeated_per_task
         from jagg_lightning.rewards.geneval import GenEvalReward
         from jagg_lightning.testbed.scenes.judge import SceneJudgeReader, load_scene_judge
 
         self.reward, self.judge = GenEvalReward(reader="scenes"), SceneJudgeReader(load_scene_judge())
         self.prompts = prompts if prompts is not None else read_prompts(prompts_file, "data.val_prompts_file")
         self.samples = samples
+        if images_per_task:
+            self.prompts, self.samples = repeated_per_task(self.prompts, images_per_task), 1
 
     def __call__(self, module, seed: int) -> dict:
         from jagg_lightning.testbed.evaluate import heldout_geneval
@@ -47,15 +54,16 @@ class ScenesHeldOut:
         return heldout_geneval(module, self.reward, self.prompts, self.samples, seed=seed, judge_reader=self.judge)
 
 
-def heldout_for(config: dict, samples: int, prompts: list | None = None):
+def heldout_for(config: dict, samples: int, prompts: list | None = None, images_per_task: int | None = None):
     """The evaluator of the test bed ``config`` (a LightningCLI YAML as a dict) trains on; ``prompts`` replace its
-    held-out prompts."""
+    held-out prompts; ``images_per_task`` (scenes only) as :class:`ScenesHeldOut` takes it."""
     reward = config["model"].get("reward")
     name = reward if isinstance(reward, str) else (reward or {}).get("class_path", "")
     if name == "digits" or name.endswith("DigitReward"):
         return DigitsHeldOut(samples, prompts)
     if name == "geneval" or name.endswith("GenEvalReward"):
-        return ScenesHeldOut(samples, config.get("data", {}).get("val_prompts_file") or "scenes_heldout", prompts)
+        return ScenesHeldOut(samples, config.get("data", {}).get("val_prompts_file") or "scenes_heldout", prompts,
+                             images_per_task)
     raise ValueError(f"model.reward: the studies evaluate the digits or the scenes test bed (reward 'digits' or "
                      f"'geneval'), got {reward!r}")
 

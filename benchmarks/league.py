@@ -39,7 +39,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from league_report import choose, cost_model, plot, summarise, sweep_table, tables, tuned_table  # noqa: E402
+from league_report import choose, cost_model, plot, summarise, sweep_table, tables, task_table, tuned_table  # noqa: E402
 from time_to_quality import fit_recorded  # noqa: E402  (the shared machinery)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,7 +165,7 @@ def run(args) -> dict:
     torch.set_num_threads(1)
     base = yaml.safe_load(Path(args.config).read_text())
     prompts = read_prompts(base["data"]["prompts_file"])
-    heldout = heldout_for(base, args.eval_samples)
+    heldout = heldout_for(base, args.eval_samples, images_per_task=args.images_per_task)
     out = Path(args.out) / args.name
     out.parent.mkdir(parents=True, exist_ok=True)
     result = json.loads(out.read_text()) if args.resume and out.exists() else {"runs": []}
@@ -207,6 +207,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-samples", type=int, default=8, help="samples per held-out prompt (30 prompts)")
+    p.add_argument("--images-per-task", type=int, default=None,
+                   help="scenes: at least this many held-out images per GenEval task (rows repeated, one sample each; "
+                        "replaces --eval-samples)")
     p.add_argument("--sweep", action="store_true", help="a tuning grid per method (--lr x --group-size)")
     p.add_argument("--lr", type=float, nargs="+", default=None)
     p.add_argument("--group-size", type=int, nargs="+", default=None)
@@ -241,6 +244,8 @@ def main(argv=None):
     text = tables(summary) + "\n\n" + cost_model(summary, COST, B_OVER_F)
     if any(name.endswith(" tuned") for name in summary["table"]):
         text += "\n\n" + tuned_table(summary, result)
+    if task_table(result):
+        text += "\n\nGenEval's tasks, first evaluation → final (reader / judge):\n\n" + task_table(result)
     (out / f"{stem}_summary.md").write_text(text + "\n")
     print(text)
 

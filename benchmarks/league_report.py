@@ -209,3 +209,24 @@ def cost_model(summary: dict, cost: dict, b_over_f: float) -> str:
         lines.append(f"| {n} | {c[0]} | {c[1]} / {c[2]} | {c[3]} | {units[n]:.1f} | {(units[n] + d) / (e + d):.2f} | "
                      f"{m:.2f} |")
     return "\n".join(lines)
+
+
+def task_table(result: dict) -> str:
+    """The scenes test bed's per-task finals: per method, each GenEval task's final score by the reader / the judge
+    (mean over the method's seeds, and the first evaluation's beside it); '' when the runs carry no per-task scores."""
+    runs = [r for r in result["runs"] if "per_task" in r["evals"][-1]]
+    if not runs:
+        return ""
+    tasks = list(runs[0]["evals"][-1]["per_task"])
+    lines = ["| method | seeds | " + " | ".join(f"{t} (reader / judge)" for t in tasks) + " |",
+             "|---|---|" + "---|" * len(tasks)]
+
+    def mean(rs, at, key, task):
+        return sum(r["evals"][at].get(key, {}).get(task, float("nan")) for r in rs) / len(rs)
+
+    for name in dict.fromkeys(r["setting"] for r in runs):
+        rs = [r for r in runs if r["setting"] == name]
+        cells = [f"{mean(rs, 0, 'per_task', t):.2f} → {mean(rs, -1, 'per_task', t):.2f} / "
+                 f"{mean(rs, 0, 'judge_per_task', t):.2f} → {mean(rs, -1, 'judge_per_task', t):.2f}" for t in tasks]
+        lines.append(f"| {name} | {len(rs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -121,7 +121,8 @@ class Recorder(L.Callback):
     def evaluate(self, trainer, module):
         res = self.heldout(module, self.seed)
         self.evals.append({"step": trainer.global_step, "cpu": self._cpu, **{k: res[k] for k in
-                          ("accuracy", "reward", "judge_accuracy", "judge_agreement")}})
+                          ("accuracy", "reward", "judge_accuracy", "judge_agreement", "per_task", "judge_per_task")
+                          if k in res}})
 
     def on_fit_start(self, trainer, module):
         self.evaluate(trainer, module)

@@ -71,7 +71,8 @@ def heldout_geneval(module, reward, prompts: list, samples_per_prompt: int = 2, 
     "samples": how many}; with a ``judge_reader``
     (:class:`~jagg_lightning.testbed.scenes.judge.SceneJudgeReader`, read by
     :func:`~jagg_lightning.testbed.scenes.judge.judge_geneval`) also "judge_accuracy" (its overall score on the same
-    images) and "judge_agreement" (the share of images where judge and reward agree on correctness). The scenes'
+    images), "judge_per_task" and "judge_agreement" (the share of images where judge and reward agree on
+    correctness). The scenes'
     counterpart of :func:`heldout_accuracy`; :class:`~jagg_lightning.callbacks.GenEvalAccuracy` logs the same numbers
     during fit."""
     from jagg_lightning.rewards.geneval_rules import task_scores
@@ -85,7 +86,8 @@ def heldout_geneval(module, reward, prompts: list, samples_per_prompt: int = 2, 
               "reward": float(reward.scores_of(judged).mean()), "samples": len(per_sample)}
     if judge_reader is not None:
         seen = judge_geneval(judge_reader, reward, images, per_sample)
-        result["judge_accuracy"] = task_scores([j.tag for j in seen], [j.correct for j in seen])["overall"]
+        judge_scores = task_scores([j.tag for j in seen], [j.correct for j in seen])
+        result["judge_accuracy"], result["judge_per_task"] = judge_scores.pop("overall"), judge_scores
         result["judge_agreement"] = sum(a.correct == b.correct for a, b in zip(seen, judged)) / len(seen)
     return result
 
