@@ -50,6 +50,7 @@ def test_per_task_scores_of_the_models_samples_are_logged(tmp_path, rng_seed):
         (logged["val/geneval/overall"], logged["val/judge_geneval/overall"], logged["val/judge_geneval/agreement"],
          logged["val/geneval/reward"]))
     assert study["per_task"] == pytest.approx({t: logged[f"val/geneval/{t}"] for t in TASKS})
+    assert study["judge_per_task"] == pytest.approx({t: logged[f"val/judge_geneval/{t}"] for t in TASKS})
     assert "val/geneval/overall" in (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
 
 
