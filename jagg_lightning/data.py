@@ -16,6 +16,7 @@ checkpoint, so a run resumed mid-epoch sees exactly the prompts it would have se
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from jagg_lightning.models.conditions import ConditionedPrompt
+from jagg_lightning.models.conditions import ConditionedPrompt, metadata_of, repeated_per_task
 
 
 def read_prompts(path: str | Path, field: str = "data.prompts_file", split: str = "train") -> list[str]:
@@ -44,6 +45,11 @@ def read_prompts(path: str | Path, field: str = "data.prompts_file", split: str 
 
 # `jagg fit` with no data section: a few prompts so the bare command runs (configs/prompts/ has more)
 DEFAULT_PROMPTS = ["a cat sitting on a mat", "a lighthouse at night", "a bowl of fruit on a table", "a red bicycle"]
+
+
+def tags_of(prompts) -> list[str]:
+    """Each prompt's GenEval task (its metadata's ``tag``; '' for a prompt without one)."""
+    return [metadata_of(p).get("tag", "") for p in prompts]
 
 
 def check_prompts(prompts, field: str) -> list[str]:
@@ -233,6 +239,9 @@ class PromptDataModule(L.LightningDataModule):
             the validation prompts.
         predict_prompts_file: The prompts `jagg predict` draws, from a file as `prompts_file`.
         eval_batch_size: Prompts per validation / test / predict batch, an integer >= 1.
+        balance_tasks: GenEval metadata prompts only: repeat each task's training rows so every task has about as
+            many as the largest (`models.conditions.repeated_per_task`), so a batch draws the six tasks alike
+            (the scenes train rows are 252 colour-binding rows of 332; docs/testbed.md).
     """
 
     def __init__(
@@ -247,11 +256,14 @@ class PromptDataModule(L.LightningDataModule):
         predict_prompts: list[str] | str | None = None,
         predict_prompts_file: str | None = None,
         eval_batch_size: int = 4,
+        balance_tasks: bool = False,
     ):
         super().__init__()
         self.prompts, self.val_prompts, self.predict_prompts = self.check_arguments(
             prompts, prompts_file, batch_size, shuffle, seed, val_prompts, val_prompts_file, predict_prompts,
-            predict_prompts_file, eval_batch_size)
+            predict_prompts_file, eval_batch_size, balance_tasks)
+        if balance_tasks:
+            self.prompts = repeated_per_task(self.prompts, max(Counter(tags_of(self.prompts)).values()))
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
         self.eval_batch_size = eval_batch_size
         self._loader: ResumablePromptLoader | None = None
@@ -261,13 +273,17 @@ class PromptDataModule(L.LightningDataModule):
 
     @classmethod
     def check_arguments(cls, prompts=None, prompts_file=None, batch_size=2, shuffle=True, seed=0, val_prompts=None,
-                        val_prompts_file=None, predict_prompts=None, predict_prompts_file=None, eval_batch_size=4):
+                        val_prompts_file=None, predict_prompts=None, predict_prompts_file=None, eval_batch_size=4,
+                        balance_tasks=False):
         """Every argument checked (the CLI calls this before it builds any model): (train, val, predict) prompts."""
         for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"data.{name} must be an integer >= 1, got {value!r}")
-        return (cls._prompts(prompts, prompts_file, "prompts") or list(DEFAULT_PROMPTS),
-                cls._prompts(val_prompts, val_prompts_file, "val_prompts"),
+        train = cls._prompts(prompts, prompts_file, "prompts") or list(DEFAULT_PROMPTS)
+        if balance_tasks and "" in tags_of(train):
+            raise ValueError("data.balance_tasks: true needs GenEval metadata prompts (every row a `tag`, e.g. "
+                             "prompts_file: scenes_train); these training prompts name no task")
+        return (train, cls._prompts(val_prompts, val_prompts_file, "val_prompts"),
                 cls._prompts(predict_prompts, predict_prompts_file, "predict_prompts"))
 
     @staticmethod

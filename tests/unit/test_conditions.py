@@ -132,3 +132,27 @@ def test_a_family_gets_the_images_it_takes_before_any_model_is_built(tmp_path):
         with pytest.raises(ValueError, match=message):
             cli.trainer.fit(cli.model, cli.datamodule)
         assert not hasattr(cli.model, "policy")  # refused before configure_model built anything
+
+
+def test_balance_tasks_draws_the_tasks_alike(tmp_path, rng_seed):
+    """data.balance_tasks: every task's rows repeated to about the largest task's count (each row equally often
+    within its task); a plain-text prompt list is refused naming the field."""
+    import collections
+    import random
+
+    rng = random.Random(rng_seed)
+    sizes = {task: rng.randint(1, 30) for task in ("single_object", "counting", "color_attr")}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{task} {i}", "tag": task}) + "\n"
+                            for task, n in sizes.items() for i in range(n)))
+    balanced = PromptDataModule(prompts_file=str(path), balance_tasks=True).prompts
+    plain = PromptDataModule(prompts_file=str(path)).prompts
+    counts = collections.Counter(p.metadata["tag"] for p in balanced)
+    largest = max(sizes.values())
+    for task, n in sizes.items():
+        assert largest <= counts[task] < largest + n, (rng_seed, task, counts)
+        per_row = collections.Counter(str(p) for p in balanced if p.metadata["tag"] == task)
+        assert len(per_row) == n and len(set(per_row.values())) == 1, (rng_seed, per_row)
+    assert len(plain) == sum(sizes.values())
+    with pytest.raises(ValueError, match="data.balance_tasks"):
+        PromptDataModule(prompts=["a red circle", "a blue square"], balance_tasks=True)
