@@ -113,7 +113,7 @@ class RunSummary(L.Callback):
         for name, values in state_dict.get("series", {}).items():
             self.series[name] = {int(step): float(v) for step, v in values.items()} | self.series.get(name, {})
         self.earlier_logs = [(int(a), int(b), str(folder)) for a, b, folder in state_dict.get("logs", [])
-                             if self._log_dir is None or Path(folder) != self._log_dir]
+                             if self._log_dir is None or Path(folder).parts[-2:] != self._log_dir.parts[-2:]]
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._first_step = self._last_step = trainer.global_step  # after a checkpoint is restored
@@ -211,8 +211,9 @@ class RunSummary(L.Callback):
         return [f"  {'checkpoints' if i == 0 else '':<12} {line}" for i, line in enumerate(lines)]
 
     def log_lines(self, trainer, fit: bool) -> list[str]:
-        """Where the logs are; after a resume, which folder holds which steps (each run writes a folder of its own:
-        Lightning's loggers start a new version rather than append to the earlier one)."""
+        """Where the logs are; after a resume into a folder of its own (a logger the CLI cannot continue:
+        :mod:`jagg_lightning.cli.resumed_logs`), which folder holds which steps. A folder of the same name and parent
+        as this run's (the earlier run's own, or it moved whole) is this run's: the CLI continued it."""
         if self._log_dir is None:
             return []
         csv = " (metrics.csv)" if any(isinstance(logger, CSVLogger) for logger in trainer.loggers) else ""

@@ -183,20 +183,27 @@ def test_a_resumed_fit_says_where_it_resumed_from_and_its_summary_names_that_che
     assert summary.lines[at].split(None, 1)[1] == f"resumed from {checkpoint} (step 3)", summary.lines
     assert summary.lines[at + 1].strip() == "none written (trainer.enable_checkpointing: false)"
     assert summary.lines[0].startswith("jagg fit: 3 steps in ")
+    # the resumed run logs on in the earlier run's folder (its copy here): its rows kept as they were, this run's after
+    folder = Path(resumed.trainer.log_dir)
+    assert folder == run / Path(cli.trainer.log_dir).relative_to(root) and not (folder.parent / "version_1").exists()
+    earlier = list(csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")))
+    rows = list(csv.DictReader(open(folder / "metrics.csv")))
+    assert [{k: v for k, v in r.items() if v} for r in rows[:len(earlier)]] == \
+        [{k: v for k, v in r.items() if v} for r in earlier]
+    timed = [int(r["step"]) for r in rows if r.get("time/step")]
+    assert timed == [1, 2, 3, 4, 5, 6], timed  # every step once: none lost, none twice
+    assert len([r for r in rows if r.get("val/reward_mean")]) == 6
     # first -> last over both runs: the first value is the earlier run's (its logs), not this run's first
-    earlier = [r for r in csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")) if r.get("val/reward_mean")]
-    later = [r for r in csv.DictReader(open(Path(resumed.trainer.log_dir) / "metrics.csv")) if r.get("val/reward_mean")]
+    values = [r for r in rows if r.get("val/reward_mean")]
     [line] = [x for x in summary.lines if " val/reward_mean " in x]
-    first, last = float(earlier[0]["val/reward_mean"]), float(later[-1]["val/reward_mean"])
+    first, last = float(values[0]["val/reward_mean"]), float(values[-1]["val/reward_mean"])
     assert line.endswith(f"{number(first)} → {number(last)}  (step 1 → 6)"), line
     # the grids keep the run's schedule (every 2 steps: 4 and 6 after a resume at 3, as a run never stopped)
     [samples] = [c for c in resumed.trainer.callbacks if isinstance(c, SampleImages)]
     assert [p.name for p in samples.written] == ["step_000004.png", "step_000006.png"]
-    # each run logs to a folder of its own: the summary says which holds which steps
-    at = next(i for i, x in enumerate(summary.lines) if x.lstrip().startswith("logs"))
-    # (the earlier run's folder as it wrote it: this test copied the run elsewhere to resume it)
-    assert summary.lines[at].split(None, 1)[1] == f"{cli.trainer.log_dir}/ (metrics.csv): steps 0 → 3", summary.lines
-    assert summary.lines[at + 1].strip() == f"{resumed.trainer.log_dir}/ (metrics.csv): steps 3 → 6"
+    # one folder holds every step: the summary names it once
+    [logs] = [x for x in summary.lines if x.lstrip().startswith("logs")]
+    assert logs.split(None, 1)[1] == f"{folder}/ (metrics.csv)", summary.lines
 
 
 def test_validate_an_adapter_names_it_on_the_grid_file_and_in_the_summary(fitted, tmp_path, capsys):
