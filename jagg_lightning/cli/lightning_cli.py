@@ -37,8 +37,8 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from jagg_lightning import DESCRIPTION, __version__
-from jagg_lightning.callbacks import (LoRAExport, ParameterSummary, Preemption, PredictionImages, RunSummary,
-                                      StepTimes)
+from jagg_lightning.callbacks import (LoRAExport, ParameterSummary, PeakMemory, Preemption, PredictionImages,
+                                      RunSummary, StepTimes)
 from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.callbacks.preemption import DEFAULT_SIGNALS
 from jagg_lightning.callbacks.progress import StepProgressBar
@@ -302,6 +302,8 @@ class JAGGCLI(LightningCLI):
             callbacks.append(ParameterSummary())  # Lightning's, without its FLOPs column (always 0 here)
         if self.subcommand == "fit" and not any(isinstance(c, StepTimes) for c in callbacks):
             callbacks.append(StepTimes())  # time/<phase> of every step, to every logger
+        if self.subcommand == "fit" and not any(isinstance(c, PeakMemory) for c in callbacks):
+            callbacks.append(PeakMemory())  # on CUDA: each step's peak memory against jagg plan's
         if self.subcommand in ("fit", "validate", "test") and not any(isinstance(c, RunSummary) for c in callbacks):
             callbacks.append(RunSummary())  # what the run came to, printed once at its end
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in callbacks):

@@ -4,6 +4,7 @@ what the digit classifier reads; the validation grid named after the adapter and
 the tiny SD3 (configs/tiny.yaml, 3 steps) rewarded by the digit classifier."""
 
 import csv
+import json
 import re
 import shutil
 from pathlib import Path
@@ -13,11 +14,14 @@ import pytest
 import torch
 from PIL import Image
 
-from jagg_lightning.callbacks import LoRAExport, RunSummary, SampleImages
+from jagg_lightning.callbacks import LoRAExport, PeakMemory, RunSummary, SampleImages
+from jagg_lightning.callbacks.peak_memory import GiB, planned_peak
 from jagg_lightning.callbacks.summary import number
 from jagg_lightning.cli import cli_main
 from jagg_lightning.rewards.digits import DigitReward
 from jagg_lightning.training.grids import RIGHT, WRONG
+
+from in_process import jagg_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ["a handwritten digit 3", "a handwritten digit 7"]
@@ -147,6 +151,30 @@ def test_the_progress_bar_fits_80_columns_and_comes_before_the_closing_lines(fit
     summary = next(i for i, line in enumerate(lines) if line.startswith("jagg fit:"))
     assert bar < written < summary  # the adapter's line after the bar's last redraw, the summary last
     assert stdout.count("step: 3/3") == 1
+
+
+def test_peak_memory_logs_nothing_off_cuda_and_compares_with_jagg_plans_peak(fitted, rng_seed, capfd, monkeypatch):
+    """PeakMemory (added to every fit) is silent on a CPU: no memory/* column, no summary line. The plan it compares
+    with on CUDA is jagg plan's for this config as this Trainer ran it, to the byte."""
+    root, cli, _ = fitted
+    [peak] = [c for c in cli.trainer.callbacks if isinstance(c, PeakMemory)]
+    [summary] = [c for c in cli.trainer.callbacks if isinstance(c, RunSummary)]
+    header = next(csv.reader(open(Path(cli.trainer.log_dir) / "metrics.csv")))
+    assert "time/step" in header and not [k for k in header if k.startswith("memory/")], header
+    assert peak.summary_line() is None and not [x for x in summary.lines if x.lstrip().startswith("memory")]
+    plan = jagg_in_process("plan", *common(root), "--trainer.max_steps", "3", "--json", cwd=ROOT, capfd=capfd,
+                           monkeypatch=monkeypatch)
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert round(planned_peak(cli.trainer, cli.model)) == json.loads(plan.stdout)["peak_bytes"]
+    # what a CUDA run's summary says, from its numbers (fresh ones: the device is not here)
+    rng = np.random.default_rng(rng_seed)
+    planned, measured = rng.uniform(1, 80) * GiB, rng.uniform(1, 80) * GiB
+    shown = PeakMemory()
+    shown.device, shown.peak, shown.planned = torch.device("cuda"), int(measured), planned
+    assert shown.summary_line() == (f"peak {int(measured) / GiB:.1f} GiB, jagg plan {planned / GiB:.1f} GiB "
+                                    f"(measured / planned {int(measured) / planned:.2f})")
+    shown.planned, shown.unplanned = None, "ValueError: no memory model"
+    assert shown.summary_line() == f"peak {int(measured) / GiB:.1f} GiB (no plan: ValueError: no memory model)"
 
 
 def test_sample_grid_frames_say_what_the_classifier_reads(fitted):
