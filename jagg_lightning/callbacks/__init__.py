@@ -8,6 +8,7 @@ from jagg_lightning.callbacks.exactness import ExactnessDiagnostics
 from jagg_lightning.callbacks.geneval_accuracy import GenEvalAccuracy
 from jagg_lightning.callbacks.lora_export import LoRAExport, export_lora, lora_state_dict
 from jagg_lightning.callbacks.model_summary import ParameterSummary
+from jagg_lightning.callbacks.peak_memory import PeakMemory
 from jagg_lightning.callbacks.predictions import PredictionImages
 from jagg_lightning.callbacks.preemption import Preemption
 from jagg_lightning.callbacks.reward_watch import RewardHackingWatch
@@ -18,5 +19,5 @@ from jagg_lightning.callbacks.summary import RunSummary
 from jagg_lightning.training.images import log_image
 
 __all__ = ["AtomicCheckpointIO", "DigitAccuracy", "ExactnessDiagnostics", "GenEvalAccuracy", "LoRAExport",
-           "ParameterSummary", "Preemption", "PredictionImages", "RewardHackingWatch", "RoutingStats", "RunSummary",
+           "ParameterSummary", "PeakMemory", "Preemption", "PredictionImages", "RewardHackingWatch", "RoutingStats", "RunSummary",
            "SampleImages", "StepTimes", "export_lora", "log_image", "lora_state_dict"]

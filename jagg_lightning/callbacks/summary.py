@@ -1,6 +1,7 @@
 """What a run came to, printed once at its end (rank 0), below the finished progress bar: every ``val/*`` (``test/*``)
 metric first -> last, the wall and CPU time, where the adapter, the checkpoints (the one a resumed fit started from
-among them), the logs and the images are, and where the training time went (``StepTimes``' shares). A resumed fit says so as it starts: ``jagg fit: resuming from step N of
+among them), the logs and the images are, where the training time went (``StepTimes``' shares) and, on CUDA, the
+peak memory against ``jagg plan``'s (``PeakMemory``). A resumed fit says so as it starts: ``jagg fit: resuming from step N of
 <checkpoint>``."""
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class RunSummary(L.Callback):
         for name, values in state_dict.get("series", {}).items():
             self.series[name] = {int(step): float(v) for step, v in values.items()} | self.series.get(name, {})
         self.earlier_logs = [(int(a), int(b), str(folder)) for a, b, folder in state_dict.get("logs", [])
-                             if self._log_dir is None or Path(folder) != self._log_dir]
+                             if self._log_dir is None or Path(folder).parts[-2:] != self._log_dir.parts[-2:]]
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._first_step = self._last_step = trainer.global_step  # after a checkpoint is restored
@@ -165,7 +166,7 @@ class RunSummary(L.Callback):
             lines += self.adapter_lines(trainer) + self.checkpoint_lines(trainer)
         lines += self.log_lines(trainer, fn == "fit")
         lines += self.picture_lines(trainer)
-        return lines + self.time_lines(trainer) if fn == "fit" else lines
+        return lines + self.time_lines(trainer) + self.memory_lines(trainer) if fn == "fit" else lines
 
     def metric_lines(self, steps: bool = True) -> list[str]:
         """One line per metric: its label (the known ones), its name, first → last (the steps: ``steps``)."""
@@ -211,8 +212,9 @@ class RunSummary(L.Callback):
         return [f"  {'checkpoints' if i == 0 else '':<12} {line}" for i, line in enumerate(lines)]
 
     def log_lines(self, trainer, fit: bool) -> list[str]:
-        """Where the logs are; after a resume, which folder holds which steps (each run writes a folder of its own:
-        Lightning's loggers start a new version rather than append to the earlier one)."""
+        """Where the logs are; after a resume into a folder of its own (a logger the CLI cannot continue:
+        :mod:`jagg_lightning.cli.resumed_logs`), which folder holds which steps. A folder of the same name and parent
+        as this run's (the earlier run's own, or it moved whole) is this run's: the CLI continued it."""
         if self._log_dir is None:
             return []
         csv = " (metrics.csv)" if any(isinstance(logger, CSVLogger) for logger in trainer.loggers) else ""
@@ -232,6 +234,12 @@ class RunSummary(L.Callback):
         parts.append(f"{timer.samples_per_s():.3g} samples/s")
         rows = [", ".join(parts[i:i + 4]) for i in range(0, len(parts), 4)]
         return [f"  {'time' if i == 0 else '':<12} {row}" for i, row in enumerate(rows)]
+
+    def memory_lines(self, trainer) -> list[str]:
+        """The run's peak device memory against ``jagg plan``'s (``PeakMemory``, on CUDA; none elsewhere)."""
+        lines = [line for c in trainer.callbacks if callable(getattr(c, "summary_line", None))
+                 for line in [c.summary_line()] if line]
+        return [f"  {'memory':<12} {line}" for line in lines]
 
     def picture_lines(self, trainer) -> list[str]:
         """The pictures this run wrote: the callbacks' ``written`` lists and what is new in the log directory."""

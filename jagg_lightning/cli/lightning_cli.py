@@ -20,6 +20,7 @@ What the CLI adds to LightningCLI:
 - ``--ckpt_path`` with ``--model.*`` overrides: LightningCLI would silently replace them with the
   checkpoint's hyper-parameters. Here overrides of settings that do not change what the checkpoint holds
   (sampling, grpo, jagg, reward, ...) apply; the others stop the run with a message naming them;
+- a resumed fit logs on in the CSV / TensorBoard version folder of the run it resumes (:mod:`.resumed_logs`);
 - a bad value found while building the objects stops with the module's own message (no traceback).
 """
 
@@ -36,8 +37,8 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from jagg_lightning import DESCRIPTION, __version__
-from jagg_lightning.callbacks import (LoRAExport, ParameterSummary, Preemption, PredictionImages, RunSummary,
-                                      StepTimes)
+from jagg_lightning.callbacks import (LoRAExport, ParameterSummary, PeakMemory, Preemption, PredictionImages,
+                                      RunSummary, StepTimes)
 from jagg_lightning.callbacks.checkpoint import AtomicCheckpointIO
 from jagg_lightning.callbacks.preemption import DEFAULT_SIGNALS
 from jagg_lightning.callbacks.progress import StepProgressBar
@@ -47,6 +48,7 @@ from jagg_lightning.cli.errors import (
 )
 from jagg_lightning.cli.outputs import check_new_run, follow_root, last_candidates
 from jagg_lightning.cli.quiet import quiet_loading_bars
+from jagg_lightning.cli.resumed_logs import continue_csv, continued_spec, earlier_run
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.distributed.collectives import end_process_group
 from jagg_lightning.distributed.context_parallel import ContextParallelError
@@ -256,22 +258,26 @@ class JAGGCLI(LightningCLI):
                           loggers=bool(deferred) or None)
         except ValueError as err:
             self._error(str(err))
-        if deferred:
-            self.trainer.loggers = [self._logger(spec) for spec in deferred]
+        ckpt_file = config.get("ckpt_path")
+        if ckpt_file == "last":
+            candidates = last_candidates(self.trainer)
+            ckpt_file = max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
+            if any(isinstance(c, Preemption) and c.checkpoint_file(self.trainer) in candidates
+                   for c in self.trainer.callbacks):
+                config["ckpt_path"] = str(ckpt_file)
+        if deferred:  # a resumed fit logs on in the folder its checkpoint's run logged to (cli/resumed_logs.py)
+            resumed = earlier_run(ckpt_file)
+            self.trainer.loggers = [self._logger(continued_spec(spec.as_dict(), resumed)) for spec in deferred]
+            for logger in self.trainer.loggers if resumed and self.trainer.is_global_zero else []:
+                continue_csv(logger, resumed[0])
         quiet_loading_bars()
-        if config.get("ckpt_path") != "last":
-            return
-        candidates = last_candidates(self.trainer)
-        if any(isinstance(c, Preemption) and c.checkpoint_file(self.trainer) in candidates
-               for c in self.trainer.callbacks):
-            config["ckpt_path"] = str(max(candidates, key=lambda p: p.stat().st_mtime))
 
-    def _logger(self, spec):
+    def _logger(self, spec: dict):
         """A logger held back until the new-run check passed; one line when its package is missing."""
         try:
-            return instantiate_class((), spec.as_dict())
+            return instantiate_class((), spec)
         except ImportError as err:  # Lightning's requirement hint, or the import itself
-            line = missing_package(f"{err}; Problem with given class_path '{spec.class_path}'", "trainer.logger")
+            line = missing_package(f"{err}; Problem with given class_path '{spec['class_path']}'", "trainer.logger")
             if line is None:
                 raise
             self._error(line)
@@ -296,6 +302,8 @@ class JAGGCLI(LightningCLI):
             callbacks.append(ParameterSummary())  # Lightning's, without its FLOPs column (always 0 here)
         if self.subcommand == "fit" and not any(isinstance(c, StepTimes) for c in callbacks):
             callbacks.append(StepTimes())  # time/<phase> of every step, to every logger
+        if self.subcommand == "fit" and not any(isinstance(c, PeakMemory) for c in callbacks):
+            callbacks.append(PeakMemory())  # on CUDA: each step's peak memory against jagg plan's
         if self.subcommand in ("fit", "validate", "test") and not any(isinstance(c, RunSummary) for c in callbacks):
             callbacks.append(RunSummary())  # what the run came to, printed once at its end
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in callbacks):

@@ -17,7 +17,8 @@ choice, or the Preemption callback's), or Lightning finds a SLURM ``hpc_ckpt_<n>
 (a requeued job). The folders looked in are the ones this run writes to: every ``LoRAExport``'s, the ``Preemption``
 and ``OnExceptionCheckpoint`` checkpoints', and a ``ModelCheckpoint``'s ``dirpath`` (without one and without a logger:
 ``<default_root_dir>/checkpoints``; with a logger it is the logger's new ``version_<n>/checkpoints``).
-Logs, sample grids and predictions are not looked at: Lightning's loggers give every run its own ``version_<n>``.
+Logs, sample grids and predictions are not looked at: Lightning's loggers give every new run its own ``version_<n>``
+(a resumed one logs on in its earlier run's: :mod:`jagg_lightning.cli.resumed_logs`).
 """
 
 from __future__ import annotations

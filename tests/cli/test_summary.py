@@ -4,6 +4,7 @@ what the digit classifier reads; the validation grid named after the adapter and
 the tiny SD3 (configs/tiny.yaml, 3 steps) rewarded by the digit classifier."""
 
 import csv
+import json
 import re
 import shutil
 from pathlib import Path
@@ -13,11 +14,14 @@ import pytest
 import torch
 from PIL import Image
 
-from jagg_lightning.callbacks import LoRAExport, RunSummary, SampleImages
+from jagg_lightning.callbacks import LoRAExport, PeakMemory, RunSummary, SampleImages
+from jagg_lightning.callbacks.peak_memory import GiB, planned_peak
 from jagg_lightning.callbacks.summary import number
 from jagg_lightning.cli import cli_main
 from jagg_lightning.rewards.digits import DigitReward
 from jagg_lightning.training.grids import RIGHT, WRONG
+
+from in_process import jagg_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ["a handwritten digit 3", "a handwritten digit 7"]
@@ -149,6 +153,30 @@ def test_the_progress_bar_fits_80_columns_and_comes_before_the_closing_lines(fit
     assert stdout.count("step: 3/3") == 1
 
 
+def test_peak_memory_logs_nothing_off_cuda_and_compares_with_jagg_plans_peak(fitted, rng_seed, capfd, monkeypatch):
+    """PeakMemory (added to every fit) is silent on a CPU: no memory/* column, no summary line. The plan it compares
+    with on CUDA is jagg plan's for this config as this Trainer ran it, to the byte."""
+    root, cli, _ = fitted
+    [peak] = [c for c in cli.trainer.callbacks if isinstance(c, PeakMemory)]
+    [summary] = [c for c in cli.trainer.callbacks if isinstance(c, RunSummary)]
+    header = next(csv.reader(open(Path(cli.trainer.log_dir) / "metrics.csv")))
+    assert "time/step" in header and not [k for k in header if k.startswith("memory/")], header
+    assert peak.summary_line() is None and not [x for x in summary.lines if x.lstrip().startswith("memory")]
+    plan = jagg_in_process("plan", *common(root), "--trainer.max_steps", "3", "--json", cwd=ROOT, capfd=capfd,
+                           monkeypatch=monkeypatch)
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert round(planned_peak(cli.trainer, cli.model)) == json.loads(plan.stdout)["peak_bytes"]
+    # what a CUDA run's summary says, from its numbers (fresh ones: the device is not here)
+    rng = np.random.default_rng(rng_seed)
+    planned, measured = rng.uniform(1, 80) * GiB, rng.uniform(1, 80) * GiB
+    shown = PeakMemory()
+    shown.device, shown.peak, shown.planned = torch.device("cuda"), int(measured), planned
+    assert shown.summary_line() == (f"peak {int(measured) / GiB:.1f} GiB, jagg plan {planned / GiB:.1f} GiB "
+                                    f"(measured / planned {int(measured) / planned:.2f})")
+    shown.planned, shown.unplanned = None, "ValueError: no memory model"
+    assert shown.summary_line() == f"peak {int(measured) / GiB:.1f} GiB (no plan: ValueError: no memory model)"
+
+
 def test_sample_grid_frames_say_what_the_classifier_reads(fitted):
     _, cli, _ = fitted
     [samples] = [c for c in cli.trainer.callbacks if isinstance(c, SampleImages)]
@@ -183,20 +211,27 @@ def test_a_resumed_fit_says_where_it_resumed_from_and_its_summary_names_that_che
     assert summary.lines[at].split(None, 1)[1] == f"resumed from {checkpoint} (step 3)", summary.lines
     assert summary.lines[at + 1].strip() == "none written (trainer.enable_checkpointing: false)"
     assert summary.lines[0].startswith("jagg fit: 3 steps in ")
+    # the resumed run logs on in the earlier run's folder (its copy here): its rows kept as they were, this run's after
+    folder = Path(resumed.trainer.log_dir)
+    assert folder == run / Path(cli.trainer.log_dir).relative_to(root) and not (folder.parent / "version_1").exists()
+    earlier = list(csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")))
+    rows = list(csv.DictReader(open(folder / "metrics.csv")))
+    assert [{k: v for k, v in r.items() if v} for r in rows[:len(earlier)]] == \
+        [{k: v for k, v in r.items() if v} for r in earlier]
+    timed = [int(r["step"]) for r in rows if r.get("time/step")]
+    assert timed == [1, 2, 3, 4, 5, 6], timed  # every step once: none lost, none twice
+    assert len([r for r in rows if r.get("val/reward_mean")]) == 6
     # first -> last over both runs: the first value is the earlier run's (its logs), not this run's first
-    earlier = [r for r in csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")) if r.get("val/reward_mean")]
-    later = [r for r in csv.DictReader(open(Path(resumed.trainer.log_dir) / "metrics.csv")) if r.get("val/reward_mean")]
+    values = [r for r in rows if r.get("val/reward_mean")]
     [line] = [x for x in summary.lines if " val/reward_mean " in x]
-    first, last = float(earlier[0]["val/reward_mean"]), float(later[-1]["val/reward_mean"])
+    first, last = float(values[0]["val/reward_mean"]), float(values[-1]["val/reward_mean"])
     assert line.endswith(f"{number(first)} → {number(last)}  (step 1 → 6)"), line
     # the grids keep the run's schedule (every 2 steps: 4 and 6 after a resume at 3, as a run never stopped)
     [samples] = [c for c in resumed.trainer.callbacks if isinstance(c, SampleImages)]
     assert [p.name for p in samples.written] == ["step_000004.png", "step_000006.png"]
-    # each run logs to a folder of its own: the summary says which holds which steps
-    at = next(i for i, x in enumerate(summary.lines) if x.lstrip().startswith("logs"))
-    # (the earlier run's folder as it wrote it: this test copied the run elsewhere to resume it)
-    assert summary.lines[at].split(None, 1)[1] == f"{cli.trainer.log_dir}/ (metrics.csv): steps 0 → 3", summary.lines
-    assert summary.lines[at + 1].strip() == f"{resumed.trainer.log_dir}/ (metrics.csv): steps 3 → 6"
+    # one folder holds every step: the summary names it once
+    [logs] = [x for x in summary.lines if x.lstrip().startswith("logs")]
+    assert logs.split(None, 1)[1] == f"{folder}/ (metrics.csv)", summary.lines
 
 
 def test_validate_an_adapter_names_it_on_the_grid_file_and_in_the_summary(fitted, tmp_path, capsys):

@@ -31,7 +31,7 @@ UNDER = {
     "testbed": {"faults", "method", "models", "config", "policies", "rewards", "distributed", "training",
                 "objectives", "top"},
     "callbacks": {"faults", "method", "models", "config", "policies", "rewards", "distributed", "training",
-                  "objectives", "top", "testbed"},
+                  "objectives", "memory_plan", "top", "testbed"},  # memory_plan: PeakMemory's plan
     "cli": {"faults", "method", "models", "config", "policies", "rewards", "distributed", "training", "objectives",
             "memory_plan", "top", "testbed", "callbacks"},
 }
