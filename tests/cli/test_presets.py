@@ -67,7 +67,7 @@ REFERENCE = {
     # with 10 % prompt dropout but scored without guidance)
     "scenes.yaml": {"family": "sd3", "num_steps": 10, "noise_level": 0.7, "lora_rank": 8, "lora_alpha": 16,
                     "guidance_scale": 1.0, "kl_beta": 0.0, "window_size": 4, "group_size": 8, "clip_range": 1e-4},
-    # issue 54: DiffusionNFT on the scenes test bed, digits_nft's objective over scenes.yaml's job, the tasks balanced
+    # issue 54: DiffusionNFT on the scenes test bed, digits_nft's objective over scenes.yaml's job
     "scenes_nft.yaml": {"family": "sd3", "num_steps": 10, "guidance_scale": 1.0, "group_size": 8, "objective": "nft",
                         "num_levels": 9, "nft_beta": 1.0, "objective_kl_beta": 0.0, "ode_solver": "dpmpp_2m"},
     # Flash-GRPO (the authors' wan2_1_flash recipe's method numbers) and GRPO-Guard (Flow-GRPO's run + its two switches)
