@@ -18,7 +18,8 @@ from jagg_lightning.models.export import save_transformer
 from jagg_lightning.policies import PolicyConfig, build_policy, detect_family
 
 from family_cases import tiny_fit_args
-from helpers import checkpointed_gradient_error, handwritten_update_error, randomize_lora_b
+from helpers import (assert_loaded_velocity_is_the_trained, checkpointed_gradient_error, handwritten_update_error,
+                     randomize_lora_b)
 from ltx2_twins import (PLAIN_CFG, PROMPTS, build, config, fit, lora_policy, ltx2_twin_dir,  # noqa: F401 (the fixture)
                         module_for)
 
@@ -193,17 +194,7 @@ def test_jagg_fit_lora_export_loads_exactly_in_the_pipeline_and_peft(ltx2_twin_d
     pipe = build()
     pipe.load_lora_weights(str(final / "diffusers"))
     fresh = PeftModel.from_pretrained(build().transformer, str(final / "peft")).base_model.model
-    trained = policy.transformer
-    with torch.no_grad():
-        expected = policy.velocity(z, t, cond)
-        for transformer in (pipe.transformer, fresh):
-            policy.transformer = transformer
-            try:
-                assert torch.equal(policy.velocity(z, t, cond), expected)
-            finally:
-                policy.transformer = trained
-        with policy.adapter_disabled():
-            assert not torch.allclose(policy.velocity(z, t, cond), expected, rtol=1e-4, atol=1e-5)
+    assert_loaded_velocity_is_the_trained(policy, (pipe.transformer, fresh), z, t, cond)
 
 
 def test_full_weight_export_loads_exactly_in_the_transformer_and_pipeline(tmp_path, rng_seed):

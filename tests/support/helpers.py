@@ -116,6 +116,22 @@ def checkpointed_gradient_error(policy, z, t, cond) -> float:
     return rel_error(gradient(), plain)
 
 
+def assert_loaded_velocity_is_the_trained(policy, loaded, z, t, cond) -> None:
+    """Each transformer in ``loaded`` (an export loaded back), swapped in for the policy's, gives the trained policy's
+    velocity bit for bit; the policy with its adapter off does not (the adapter is what was trained)."""
+    own = policy.transformer
+    with torch.no_grad():
+        expected = policy.velocity(z, t, cond)
+        for transformer in loaded:
+            policy.transformer = transformer
+            try:
+                assert torch.equal(policy.velocity(z, t, cond), expected)
+            finally:
+                policy.transformer = own
+        with policy.adapter_disabled():
+            assert not torch.allclose(policy.velocity(z, t, cond), expected, rtol=1e-4, atol=1e-5)
+
+
 def build_policy(generator, **overrides) -> SD3Policy:
     policy = SD3Policy(tiny_policy_config(**overrides))
     randomize_lora_b(policy.transformer, generator)
