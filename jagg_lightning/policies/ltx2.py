@@ -35,6 +35,12 @@ What the family looks like (all of it stays inside this file):
   decode timestep 0 with no decode noise where the VAE is timestep-conditioned: the pipeline's defaults), [-1, 1] ->
   [0, 1], as a video ``[B, F, 3, H, W]``.
 
+**Precision**: a float64 policy is float64 except where diffusers computes in float32 whatever the dtype -- the RoPE
+(``apply_split_rotary_emb`` / ``apply_interleaved_rotary_emb`` cast q and k with ``.float()``) and ``RMSNorm``'s
+variance; no config or dtype argument changes that (``rope_double_precision`` only builds the frequency grid in
+float64), so float64 updates agree with a float64 reference to float32's rounding (about 1e-7 relative), not 1e-10
+(docs/model_families.md, "LTX-2").
+
 ``build_tiny_ltx2_pipeline`` builds a real ``LTX2Pipeline`` offline (a 1-layer Gemma-3 with a character-level
 tokenizer, 1-layer connectors, a 2-block transformer, a tiny video VAE with 8x spatial and 4x temporal compression, a
 tiny audio VAE and vocoder): 32 px x 9 frames -> 48 video tokens and 9 audio tokens of width 8.

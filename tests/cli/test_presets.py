@@ -97,6 +97,11 @@ REFERENCE = {
                          "ode_solver": "dpmpp_2m", "adv_std": "group"},
     "digits_flow_dppo.yaml": {"family": "sd3", "num_steps": 10, "objective": "flow_dppo", "dppo_threshold": 1e-5,
                               "kl_beta": 0.0, "window_size": 5, "fused_rollout": False, "micro_batches_per_update": 2},
+    # Flow-Factory's LTX-2 recipes (examples/grpo/lora/ltx2/t2av.yaml, t2av_pickscore.yaml): CPS on 3 of steps 0..9
+    "ltx2.yaml": {"family": "ltx2", "num_steps": 24, "noise_level": 0.8, "lora_rank": 64, "lora_alpha": 128,
+                  "guidance_scale": 1.0, "eval_guidance_scale": 4.0, "kl_beta": 0.0, "clip_range": 1e-4,
+                  "adv_std": "global", "group_size": 16, "dtype": "bfloat16", "precision": "bf16-true",
+                  "step_kind": "cps", "sde_window_size": 3, "sde_window_range": [0, 10], "window_size": 3},
     "z_image_turbo.yaml": {"family": "z_image", "num_steps": 6, "guidance_scale": 1.0, "eval_guidance_scale": 1.0,
                            "noise_level": 0.7, "sde_window_size": 3, "sde_window_range": [1, 4], "window_size": 3},
 }

@@ -5,15 +5,11 @@ JAGG routed)."""
 
 import textwrap
 
-import lightning as L
 import pytest
-import torch
-from safetensors.torch import load_file
-
-from jagg_lightning.data import PromptDataModule
 
 from launch import run_ranks
-from helpers import rel_error, sgd
+from helpers import sgd
+from twin_ranks import assert_ranks_equal_one_process
 from wan_i2v_twins import PROMPTS, TWINS, build, module_for
 
 pytestmark = [pytest.mark.distributed, pytest.mark.subprocess, pytest.mark.slow]
@@ -23,35 +19,14 @@ OPTIONS = dict(dtype="float64", jagg_frac=0.5, window_size=2, num_steps=4, kl_be
 
 RANK_SCRIPT = textwrap.dedent('''
     import sys
-    import lightning as L
-    import torch
-    from lightning.pytorch.strategies import DDPStrategy
-    from safetensors.torch import save_file
-    from torch.distributed.tensor import DTensor
-    from jagg_lightning.data import PromptDataModule
-    from jagg_lightning.strategies import FSDP2Strategy
     from test_distributed_wan_i2v import OPTIONS, RUNS
     from helpers import sgd
+    from twin_ranks import train_on_ranks
     from wan_i2v_twins import PROMPTS, module_for
 
     out, seed = sys.argv[1], int(sys.argv[2])
-    for twin, kind in RUNS:
-        module = module_for(twin, f"{out}/{twin}", seed, optimizer=sgd, **OPTIONS)
-        strategy = (FSDP2Strategy(process_group_backend="gloo") if kind == "fsdp2" else
-                    DDPStrategy(process_group_backend="gloo"))
-        trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=2, strategy=strategy, logger=False,
-                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-        trainer.fit(module, PromptDataModule(prompts=PROMPTS, batch_size=1, shuffle=False))
-        lora = module.policy.lora_parameters()
-        assert lora and all(isinstance(p, DTensor) == (kind == "fsdp2") for p in lora)  # really sharded, or not
-        encoder = module.policy.image_encoder  # Wan2.1 I2V's CLIP; TI2V has none
-        assert (encoder is not None) == (twin == "wan_i2v")
-        assert encoder is None or not any(isinstance(p, DTensor) for p in encoder.parameters())
-        weights = {n: (p.full_tensor() if kind == "fsdp2" else p).detach().contiguous()
-                   for n, p in module.named_parameters() if p.requires_grad}
-        save_file(weights, f"{out}/{twin}_{kind}_rank{trainer.global_rank}.safetensors")
-    from jagg_lightning.distributed.collectives import end_process_group
-    end_process_group()  # every rank finished: leave together (collectives.end_process_group)
+    train_on_ranks(RUNS, lambda twin: module_for(twin, f"{out}/{twin}", seed, optimizer=sgd, **OPTIONS),
+                   lambda twin: PROMPTS, out, image_to_video={"wan_i2v"})  # Wan2.1 I2V's CLIP; TI2V has none
 ''')
 
 
@@ -63,19 +38,6 @@ def test_ddp_and_fsdp2_equal_one_process_on_the_image_to_video_twins(tmp_path, r
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)
     run_ranks(script, str(tmp_path), str(seed), timeout=300)
-    for twin in TWINS:
-        single = module_for(twin, tmp_path / twin, seed, optimizer=sgd, **OPTIONS)
-        initial = {n: p.detach().clone() for n, p in single.named_parameters() if p.requires_grad}
-        L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                  enable_model_summary=False).fit(single, PromptDataModule(prompts=PROMPTS, batch_size=2, shuffle=False))
-        assert any(r.routed for r in single.window_records)
-        names = sorted(initial)
-        update = [single.get_parameter(n).detach() - initial[n] for n in names]
-        assert sum(float(u.abs().sum()) for u in update) > 0, twin
-        for kind in [k for t, k in RUNS if t == twin]:
-            ranks = [load_file(tmp_path / f"{twin}_{kind}_rank{r}.safetensors") for r in (0, 1)]
-            assert all(sorted(r) == names for r in ranks)
-            assert all(torch.equal(ranks[0][n], ranks[1][n]) for n in names), (twin, kind)  # one update on both ranks
-            # one prompt (and its first frame) per rank vs two in one batch: float64 up to the float32 time embedding
-            error = rel_error([ranks[0][n] - initial[n] for n in names], update)
-            assert error < 1e-6, (twin, kind, error)
+    # one prompt (and its first frame) per rank vs two in one batch: float64 up to the float32 time embedding
+    assert_ranks_equal_one_process(RUNS, lambda twin: module_for(twin, tmp_path / twin, seed, optimizer=sgd, **OPTIONS),
+                                   lambda twin: PROMPTS, tmp_path)

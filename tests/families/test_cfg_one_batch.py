@@ -36,6 +36,8 @@ FAMILIES = {
     "hunyuan_video15": dict(lora_targets=None, max_sequence_length=16, resolution=32, num_frames=5, guidance_scale=6.0),
     "hunyuan_video15_i2v": dict(lora_targets=None, max_sequence_length=16, resolution=32, num_frames=5,
                                 guidance_scale=6.0),
+    # LTX-2: (video embeds, audio embeds, mask) per branch, both streams guided
+    "ltx2": dict(lora_targets=None, max_sequence_length=16, resolution=32, num_frames=9, guidance_scale=3.0),
 }
 CONDITIONED = {"wan_i2v", "wan22_ti2v", "qwen_image_edit", "hunyuan_video15_i2v"}  # prompts with a source image each
 

@@ -2,7 +2,6 @@
 GRPO/JAGG gradients against hand-written references, and `jagg fit` writing an adapter the family's
 own pipeline loads. The twins are saved once per session and loaded through ``from_pretrained``."""
 
-import copy
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,11 +13,11 @@ from peft import PeftModel
 
 from jagg_lightning.cli import cli_main
 from jagg_lightning.data import PromptDataModule
-from jagg_lightning.method.grpo import group_advantages
 from jagg_lightning.policies import build_policy, detect_family
 
 from family_cases import CASES, PROMPTS, TRAINING_CASES, module_for, tiny_fit_args
-from helpers import MeanIntensity, exact_per_step_gradient, lora_grads, nonzero_advantages, randomize_lora_b, rel_error
+from helpers import (MeanIntensity, checkpointed_gradient_error, handwritten_update_error, nonzero_advantages,
+                     randomize_lora_b)
 from plan_checks import assert_folder_plans_as_twin
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,19 +197,11 @@ def test_update_equals_handwritten_per_step_grpo(case, twin_dirs, jagg_frac, win
                         jagg_frac=jagg_frac, window_size=window_size, optimizer=lambda p: torch.optim.SGD(p, lr=lr),
                         max_grad_norm=None, resolution=resolution)
     assert module.policy.resolution == (tuple(resolution) if resolution else (32, 32))
-    reference = copy.deepcopy(module)
-    before = [p.detach().clone() for p in module.policy.lora_parameters()]
-    fit(module, case.prompts)
+    error = handwritten_update_error(module, case.prompts, lr, lambda m: fit(m, case.prompts),
+                                     lambda adv: nonzero_advantages(adv, seed))
     full = [w for w in module.windows if len(w.steps) == window_size]
     assert full and all(w.routed == bool(jagg_frac) for w in full)
-    update = [p.detach() - b for p, b in zip(module.policy.lora_parameters(), before)]
-
-    traj, cond, _, rewards, _ = reference.sampler.rollout_and_score(case.prompts, [0, 1], step=0, reward=reference.reward_fn)
-    adv = nonzero_advantages(group_advantages(rewards.view(-1, 2)).flatten(), seed)
-    grads = exact_per_step_gradient(reference.policy, traj, cond, adv, reference.trained_steps)
-    expected = [-lr * g for g in grads]
-    assert sum(float(u.abs().sum()) for u in expected) > 0
-    assert rel_error(update, expected) < 1e-10
+    assert error < 1e-10
 
 
 @contextmanager
@@ -290,14 +281,4 @@ def test_gradient_checkpointing_keeps_the_lora_gradient(case, twin_dirs, rng_see
     randomize_lora_b(policy.transformer, torch.Generator().manual_seed(seed))
     gen = torch.Generator().manual_seed(seed)
     z, t = torch.randn(2, *policy.latent_shape, generator=gen), torch.rand(2, generator=gen)
-    cond = policy.encode_prompts(case.prompts)
-
-    def gradient():
-        policy.transformer.zero_grad(set_to_none=True)
-        policy.velocity(z, t, cond).square().sum().backward()
-        return lora_grads(policy)
-
-    plain = gradient()
-    policy.enable_gradient_checkpointing()
-    assert policy.transformer.is_gradient_checkpointing
-    assert rel_error(gradient(), plain) < 1e-5
+    assert checkpointed_gradient_error(policy, z, t, policy.encode_prompts(case.prompts)) < 1e-5

@@ -1,11 +1,12 @@
 """Shared builders for tests on the real tiny SD3 (diffusers transformer + peft LoRA)."""
 
+import copy
 import os
 from contextlib import contextmanager
 
 import torch
 
-from jagg_lightning.method.grpo import StepRecord, step_loss
+from jagg_lightning.method.grpo import StepRecord, group_advantages, step_loss
 from jagg_lightning.policies import PolicyConfig
 from jagg_lightning.policies.sd3 import SD3Policy
 from jagg_lightning.rewards import JpegCompressibility, Reward
@@ -79,6 +80,56 @@ def exact_per_step_gradient(policy, traj, cond, advantages, steps, kind="sde", n
         loss, _ = step_loss(v, rec, kind, noise_level, clip_range, kl_beta)
         (loss.mean() * scale / len(steps)).backward()
     return lora_grads(policy)
+
+
+def handwritten_update_error(module, prompts, lr, fit, check_advantages=lambda adv: adv) -> float:
+    """``module``'s one SGD(``lr``) step (``fit(module)``, which leaves the trained module for the caller to inspect)
+    against the hand-written per-step GRPO step, ``-lr`` times :func:`exact_per_step_gradient` on a copy's own
+    rollout of ``prompts`` (the same seeds: the same trajectory): ||update - expected|| / ||expected||.
+    ``check_advantages``: applied to the copy's advantages first (``nonzero_advantages`` fails on all-tied groups)."""
+    reference = copy.deepcopy(module)
+    before = [p.detach().clone() for p in module.policy.lora_parameters()]
+    fit(module)
+    update = [p.detach() - b for p, b in zip(module.policy.lora_parameters(), before)]
+    traj, cond, _, rewards, _ = reference.sampler.rollout_and_score(prompts, list(range(len(prompts))), step=0,
+                                                                    reward=reference.reward_fn)
+    adv = check_advantages(group_advantages(rewards.view(-1, reference.sampling.group_size)).flatten())
+    expected = [-lr * g for g in exact_per_step_gradient(reference.policy, traj, cond, adv, reference.trained_steps)]
+    assert sum(float(u.abs().sum()) for u in expected) > 0
+    return rel_error(update, expected)
+
+
+def checkpointed_gradient_error(policy, z, t, cond) -> float:
+    """The LoRA gradient of sum v(z, t)^2 with gradient checkpointing on (every trained network: Wan2.2's two
+    experts) against off: ||on - off|| / ||off|| (the recompute in backward must give the same gradient)."""
+    networks = getattr(policy, "experts", [policy.transformer])
+
+    def gradient():
+        for network in networks:
+            network.zero_grad(set_to_none=True)
+        policy.velocity(z, t, cond).square().sum().backward()
+        return lora_grads(policy)
+
+    plain = gradient()
+    policy.enable_gradient_checkpointing()
+    assert all(network.is_gradient_checkpointing for network in networks)
+    return rel_error(gradient(), plain)
+
+
+def assert_loaded_velocity_is_the_trained(policy, loaded, z, t, cond) -> None:
+    """Each transformer in ``loaded`` (an export loaded back), swapped in for the policy's, gives the trained policy's
+    velocity bit for bit; the policy with its adapter off does not (the adapter is what was trained)."""
+    own = policy.transformer
+    with torch.no_grad():
+        expected = policy.velocity(z, t, cond)
+        for transformer in loaded:
+            policy.transformer = transformer
+            try:
+                assert torch.equal(policy.velocity(z, t, cond), expected)
+            finally:
+                policy.transformer = own
+        with policy.adapter_disabled():
+            assert not torch.allclose(policy.velocity(z, t, cond), expected, rtol=1e-4, atol=1e-5)
 
 
 def build_policy(generator, **overrides) -> SD3Policy:

@@ -4,13 +4,12 @@
 import pytest
 import torch
 
-from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.models.conditions import ConditionedPrompt, condition_pixels
 from jagg_lightning.policies.hunyuan_video15 import build_tiny_hunyuan_video15_pipeline
-from jagg_lightning.rewards import FrameReward
 
 from family_cases import CONDITIONED_PROMPTS
-from helpers import float64_reward, randomize_lora_b, tiny_policy_config
+from helpers import tiny_policy_config
+from video_module import video_module
 
 TWINS = {"hunyuan_video15": False, "hunyuan_video15_i2v": True}  # family -> image-to-video
 # one prompt quotes text: its glyphs reach ByT5 (the other's ByT5 entries are zeros with a zero mask)
@@ -50,19 +49,6 @@ def hunyuan_twin_dirs(tmp_path_factory):
     return {twin: root / twin for twin in TWINS}
 
 
-def module_for(twin, path, seed, dtype="float32", jagg_frac=0.5, window_size=2, num_steps=4, optimizer=None,
-               shape=None, reward=None, **grpo):
-    """A JAGGModule on the saved twin (detected): 4 steps, groups of 2, an image reward on 3 frames, the LoRA's B
-    randomised. ``shape``: PolicyConfig overrides of the size (``resolution``, ``num_frames``)."""
-    module = JAGGModule(
-        config(pretrained=str(path), dtype=dtype, **(shape or {})),
-        SamplingConfig(num_steps=num_steps, group_size=2, rollout_batch_size=4),
-        GRPOConfig(**({"train_batch_size": 4, "skip_zero_advantage": False} | grpo)),
-        JAGGConfig(window_size=window_size, jagg_frac=jagg_frac),
-        optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-3)),
-        reward=FrameReward(reward or float64_reward(dtype), frames=3),
-        seed=seed,
-    )
-    module.configure_model()
-    randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
-    return module
+def module_for(twin, path, seed, **kw):
+    """video_module on these twins' config (the saved twin at ``path`` says which family)."""
+    return video_module(config, path, seed, **kw)

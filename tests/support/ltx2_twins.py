@@ -5,13 +5,12 @@ import lightning as L
 import pytest
 import torch
 
-from jagg_lightning import GRPOConfig, JAGGConfig, JAGGModule, SamplingConfig
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.policies import build_policy
 from jagg_lightning.policies.ltx2 import build_tiny_ltx2_pipeline
-from jagg_lightning.rewards import FrameReward
 
-from helpers import float64_reward, randomize_lora_b, tiny_policy_config
+from helpers import randomize_lora_b, tiny_policy_config
+from video_module import video_module
 
 PROMPTS = ["a red cat", "a blue dog"]
 # the pipeline __call__ arguments that turn its further guidance terms off (the policy samples plain CFG on both
@@ -38,22 +37,9 @@ def config(**kw):
                                   "resolution": 32, "num_frames": 9} | kw))
 
 
-def module_for(path, seed, dtype="float32", jagg_frac=0.5, window_size=2, num_steps=4, optimizer=None, shape=None,
-               reward=None, **grpo):
-    """``shape``: PolicyConfig overrides of the twin's size (``resolution``, ``num_frames``); ``reward``: an image
-    reward scored on 3 frames (default: JPEG compressibility at the run's precision)."""
-    module = JAGGModule(
-        config(pretrained=str(path), dtype=dtype, **(shape or {})),
-        SamplingConfig(num_steps=num_steps, group_size=2, rollout_batch_size=4),
-        GRPOConfig(**({"train_batch_size": 4, "skip_zero_advantage": False} | grpo)),
-        JAGGConfig(window_size=window_size, jagg_frac=jagg_frac),
-        optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-3)),
-        reward=FrameReward(reward or float64_reward(dtype), frames=3),
-        seed=seed,
-    )
-    module.configure_model()
-    randomize_lora_b(module.policy.transformer, torch.Generator().manual_seed(seed))
-    return module
+def module_for(path, seed, **kw):
+    """video_module on the twin's config."""
+    return video_module(config, path, seed, **kw)
 
 
 def lora_policy(seed, pipe=None, **kw):

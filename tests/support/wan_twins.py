@@ -7,7 +7,8 @@ from jagg_lightning.policies import PolicyConfig
 from jagg_lightning.policies.wan import build_tiny_wan_pipeline
 from jagg_lightning.rewards import FrameReward
 
-from helpers import float64_reward, randomize_lora_b, tiny_policy_config
+from helpers import float64_reward, tiny_policy_config
+from video_module import video_module
 
 TWINS = {"wan21": False, "wan22": True}  # name -> two experts
 
@@ -24,24 +25,10 @@ def config(**kw):
                                   "guidance_scale_2": 3.0} | kw))
 
 
-def module_for(twin, path, seed, dtype="float32", jagg_frac=0.5, window_size=2, num_steps=4, optimizer=None,
-               shape=None, make_config=None, reward=None, **grpo):
-    """``shape``: PolicyConfig overrides of the twin's size (``resolution``, ``num_frames``); ``make_config``: the
-    twins' PolicyConfig builder (default: this file's ``config``; the image-to-video twins pass theirs); ``reward``:
-    an image reward scored on 3 frames (default: JPEG compressibility at the run's precision)."""
-    module = JAGGModule(
-        (make_config or config)(pretrained=str(path), dtype=dtype, **(shape or {})),
-        SamplingConfig(num_steps=num_steps, group_size=2, rollout_batch_size=4),
-        GRPOConfig(**({"train_batch_size": 4, "skip_zero_advantage": False} | grpo)),
-        JAGGConfig(window_size=window_size, jagg_frac=jagg_frac),
-        optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-3)),
-        reward=FrameReward(reward or float64_reward(dtype), frames=3),  # image rewards score videos through FrameReward
-        seed=seed,
-    )
-    module.configure_model()
-    for expert in module.policy.experts:
-        randomize_lora_b(expert, torch.Generator().manual_seed(seed))
-    return module
+def module_for(twin, path, seed, make_config=None, **kw):
+    """video_module on these twins' config (``make_config``: the image-to-video twins pass theirs); ``twin`` names
+    the family for the callers, the saved twin at ``path`` says it."""
+    return video_module(make_config or config, path, seed, **kw)
 
 
 # the Wan2.2 twin trained in full, smaller: 16 px, 5 frames

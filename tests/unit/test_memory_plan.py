@@ -34,6 +34,7 @@ TWINS = {  # family -> policy settings of a twin (guided where the family has CF
     "z_image": dict(guidance_scale=5.0),
     "wan_i2v": dict(guidance_scale=3.0, max_sequence_length=512),  # 36 input channels, 17 CLIP tokens beside the text
     "wan22_ti2v": dict(guidance_scale=3.0),  # the image's latent frame first, per-token timesteps
+    "ltx2": dict(guidance_scale=3.0, max_sequence_length=16),  # the joint video + audio latent, both streams
 }
 TEXT_AS_ENCODED = ("qwen_image", "qwen_image_edit", "z_image")  # the condition as long as the prompt (the plan: a bound)
 
