@@ -41,10 +41,14 @@ PALETTE = {
     "red": (220, 40, 40), "yellow": (235, 215, 50), "green": (40, 170, 70),
     "blue": (40, 80, 225), "purple": (150, 60, 200), "white": (250, 250, 250),
 }
-# (fill, aspect, vertical centroid offset) of each shape drawn in a square box
-PROTOTYPES = {"circle": (math.pi / 4, 1.0, 0.0), "square": (1.0, 1.0, 0.0), "triangle": (0.56, 1.0, 0.145),
-              "diamond": (0.53, 1.0, 0.0)}  # the pointed shapes between sharp and softened renders (docstring)
-FEATURE_SCALES = (0.18, 0.5, 0.09)  # fill, log aspect, offset: one unit of distance each
+# (fill, aspect, vertical centroid offset, fourfold moment) of each shape drawn in a square box: between the sharp
+# and the softened renders (docstring)
+PROTOTYPES = {"circle": (0.77, 1.0, 0.0, 0.02), "square": (0.93, 1.0, 0.0, -0.38),
+              "triangle": (0.56, 1.0, 0.145, 0.02), "diamond": (0.56, 1.0, 0.0, 0.38)}
+FEATURE_SCALES = (0.3, 0.6, 0.11, 0.36)  # fill, log aspect, offset, fourfold moment: one unit of distance each
+COLOUR_TOLERANCE = 25.0  # mean RGB distance of a component's pixels from its palette colour that costs nothing
+COLOUR_SCALE = 12.0  # ... and each further this much, one unit of distance
+HOLE_SCALE = 0.1  # holes inside a component's outline over its area: one unit of distance
 
 
 def connected_components(mask: np.ndarray) -> tuple[np.ndarray, int]:
@@ -66,21 +70,45 @@ def connected_components(mask: np.ndarray) -> tuple[np.ndarray, int]:
     return relabelled, len(found)
 
 
-def shape_of(component: np.ndarray) -> tuple[str, float, tuple[float, float, float, float]]:
-    """(shape, confidence, box) of one component's mask [H, W] (see the module docstring)."""
+def shape_features(component: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+    """(fill, log aspect, vertical offset, fourfold moment) of one component's mask [H, W], and its box."""
     ys, xs = np.nonzero(component)
     x0, x1, y0, y1 = xs.min(), xs.max() + 1, ys.min(), ys.max() + 1
     width, height = x1 - x0, y1 - y0
     fill = len(xs) / float(width * height)
     offset = ((ys + 0.5).mean() - (y0 + y1) / 2) / height
-    features = np.array([fill, math.log(width / height), offset])
+    u = ((xs + 0.5) - (xs + 0.5).mean()) / (width / 2)  # about the centroid, in half box sides
+    v = ((ys + 0.5) - (ys + 0.5).mean()) / (height / 2)
+    fourfold = float((u ** 4 - 6 * u ** 2 * v ** 2 + v ** 4).sum() / ((u ** 2 + v ** 2) ** 2).sum().clip(1e-12))
+    return np.array([fill, math.log(width / height), offset, fourfold]), (x0, y0, x1, y1)
+
+
+def impurity(component: np.ndarray, pixels: np.ndarray, color: tuple[int, int, int]) -> float:
+    """The squared distance a component's texture adds (see the module docstring): its pixels' mean RGB distance
+    from ``color`` past ``COLOUR_TOLERANCE``, and the holes inside its outline, each in its unit."""
+    ys, xs = np.nonzero(component)
+    x0, x1, y0, y1 = xs.min(), xs.max() + 1, ys.min(), ys.max() + 1
+    error = float(np.sqrt(((pixels[ys, xs] - np.asarray(color, np.float32)) ** 2).sum(-1)).mean())
+    outside, _ = connected_components(np.pad(~component[y0:y1, x0:x1], 1, constant_values=True))
+    holes = float(((outside != 0) & (outside != outside[0, 0])).sum()) / len(xs)  # not reached from the border
+    return (max(0.0, error - COLOUR_TOLERANCE) / COLOUR_SCALE) ** 2 + (holes / HOLE_SCALE) ** 2
+
+
+def shape_of(component: np.ndarray, pixels: np.ndarray | None = None, color: tuple[int, int, int] | None = None
+             ) -> tuple[str, float, tuple[float, float, float, float]]:
+    """(shape, confidence, box) of one component's mask [H, W]; with the image's ``pixels`` [H, W, 3] (float) and the
+    component's palette ``color``, a textured component loses confidence (see the module docstring)."""
+    features, box = shape_features(component)
     best, best_d2 = SHAPES[0], math.inf
     for name in SHAPES:
-        fill0, aspect0, offset0 = PROTOTYPES[name]
-        d2 = float(np.sum(((features - np.array([fill0, math.log(aspect0), offset0])) / FEATURE_SCALES) ** 2))
+        fill0, aspect0, offset0, fourfold0 = PROTOTYPES[name]
+        prototype = np.array([fill0, math.log(aspect0), offset0, fourfold0])
+        d2 = float(np.sum(((features - prototype) / FEATURE_SCALES) ** 2))
         if d2 < best_d2:
             best, best_d2 = name, d2
-    return best, math.exp(-best_d2 / 2), (float(x0), float(y0), float(x1), float(y1))
+    if pixels is not None:
+        best_d2 += impurity(component, pixels, color)
+    return best, math.exp(-best_d2 / 2), tuple(float(v) for v in box)
 
 
 class SceneReader:
@@ -111,6 +139,7 @@ class SceneReader:
     def read(self, image: np.ndarray) -> dict[str, list[Detection]]:
         """``image`` [H, W, 3] uint8 -> {shape: [Detection, ...]} with masks and colours."""
         nearest = self.pixel_colors(image)
+        pixels = image.astype(np.float32)
         min_area = self.min_area if self.min_area is not None else max(4, round(0.004 * nearest.size))
         found: dict[str, list[Detection]] = {}
         for index, color in enumerate(PALETTE, start=1):
@@ -119,7 +148,7 @@ class SceneReader:
                 component = labels == label
                 if component.sum() < min_area:
                     continue
-                shape, confidence, box = shape_of(component)
+                shape, confidence, box = shape_of(component, pixels, PALETTE[color])
                 found.setdefault(shape, []).append(Detection(box, confidence, component, color))
         return found
 
