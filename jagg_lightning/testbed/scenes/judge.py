@@ -291,8 +291,8 @@ def save_judge(judge: SceneJudge, args, cpu_s: float) -> dict:
     degraded = accuracy_on_renders(judge, rows, args.seed + 2, degraded=True)
     metadata = {"model": "SceneJudge (CenterNet-style heat maps)", "width": str(args.width), "steps": str(args.steps),
                 "batch_size": str(args.batch_size), "lr": str(args.lr), "seed": str(args.seed), "cpu_s": f"{cpu_s:.0f}",
-                "counting_threshold": str(COUNTING_THRESHOLD), "max_blur": str(MAX_BLUR), "rendered_rows": str(len(rows)),
-                "clean": json.dumps(clean), "degraded": json.dumps(degraded)}
+                "counting_threshold": str(COUNTING_THRESHOLD), "max_blur": str(MAX_BLUR),
+                "rendered_rows": str(len(rows)), "clean": json.dumps(clean), "degraded": json.dumps(degraded)}
     out = Path(args.out)
     tmp = out.with_name(out.name + ".tmp")
     save_file({k: v.contiguous() for k, v in judge.state_dict().items()}, str(tmp), metadata=metadata)
