@@ -102,14 +102,34 @@ def shape_features(component: np.ndarray) -> tuple[np.ndarray, tuple[int, int, i
     return np.array([fill, math.log(width / height), offset, fourfold]), (x0, y0, x1, y1)
 
 
+def hole_count(mask: np.ndarray) -> int:
+    """Pixels off ``mask`` [H, W] (bool) that no 4-connected path off the mask joins to its border."""
+    off = ~mask
+    rows, cols = np.maximum.accumulate(mask, 1), np.maximum.accumulate(mask, 0)
+    between = rows & rows[:, ::-1] & cols & cols[::-1] & off  # mask pixels on both sides in its row and column
+    if not between.any():  # the common case (a convex shape): nothing can be enclosed
+        return 0
+    reached = off.copy()
+    reached[1:-1, 1:-1] = False  # the border's off pixels, then every off pixel they reach
+    while True:
+        grown = reached.copy()
+        grown[1:] |= reached[:-1]
+        grown[:-1] |= reached[1:]
+        grown[:, 1:] |= reached[:, :-1]
+        grown[:, :-1] |= reached[:, 1:]
+        grown &= off
+        if np.array_equal(grown, reached):
+            return int((off & ~reached).sum())
+        reached = grown
+
+
 def impurity(component: np.ndarray, pixels: np.ndarray, color: tuple[int, int, int]) -> float:
     """The squared distance a component's texture adds (see the module docstring): its pixels' mean RGB distance
     from ``color`` past ``COLOUR_TOLERANCE``, and the holes inside its outline, each in its unit."""
     ys, xs = np.nonzero(component)
     x0, x1, y0, y1 = xs.min(), xs.max() + 1, ys.min(), ys.max() + 1
     error = float(np.sqrt(((pixels[ys, xs] - np.asarray(color, np.float32)) ** 2).sum(-1)).mean())
-    outside, _ = connected_components(np.pad(~component[y0:y1, x0:x1], 1, constant_values=True))
-    holes = float(((outside != 0) & (outside != outside[0, 0])).sum()) / len(xs)  # not reached from the border
+    holes = hole_count(component[y0:y1, x0:x1]) / len(xs)
     return (max(0.0, error - COLOUR_TOLERANCE) / COLOUR_SCALE) ** 2 + (holes / HOLE_SCALE) ** 2
 
 
