@@ -42,9 +42,9 @@ def test_the_reader_reads_rendered_scenes_back_exactly(rng_seed):
 
 
 def test_the_reader_allows_a_decoders_softening(rng_seed):
-    """A VAE returns a render about a pixel softer (rounded tips); the pointed shapes' prototypes allow for it: after a
-    0.8 px Gaussian blur most held-out ground truth still scores correct (0.90-0.93 measured on 720 scenes; 0.78
-    with the exact shapes' prototypes), while the sharp renders all do (the test above)."""
+    """A VAE returns a render about a pixel softer (rounded tips); the prototypes allow for it: after a 0.8 px
+    Gaussian blur most held-out ground truth still scores correct (1.00 on 720 scenes with today's object sizes;
+    0.78 once with the exact shapes' prototypes), while the sharp renders all do (the test above)."""
     import torchvision.transforms.functional as TF
 
     rng = np.random.default_rng(rng_seed)
@@ -53,6 +53,78 @@ def test_the_reader_allows_a_decoders_softening(rng_seed):
     images = as_batch([render(scene_for(p.metadata, rng)) for p in chosen])
     softened = (TF.gaussian_blur(images, 5, 0.8) * 255).round() / 255
     assert GenEvalReward().correct(softened, chosen).float().mean() >= 0.85  # +-0.016 (one std) at 360
+
+
+def canvas_and_grid(rng, side=64):
+    """A grey, lightly textured background [side, side, 3] float32 and the pixel centres' (x, y) grids."""
+    image = np.full((side, side, 3), rng.integers(96, 161), np.float32) + rng.integers(-6, 7, (side, side, 1))
+    ys, xs = np.mgrid[:side, :side] + 0.5
+    return image, xs, ys
+
+
+def soft_square(rng, xs, ys):
+    """A square's mask with corners rounded by 10-25 % of its side, turned by up to 6 degrees: how the model draws
+    squares (fill 0.83-0.98 where the judge sees a square, docs/testbed.md)."""
+    side, turn = rng.uniform(20, 28), np.deg2rad(rng.uniform(-6, 6))
+    radius, (cx, cy) = rng.uniform(0.1, 0.25) * side, rng.uniform(side / 2 + 6, 58 - side / 2, 2)
+    u = (xs - cx) * np.cos(turn) + (ys - cy) * np.sin(turn)
+    v = (ys - cy) * np.cos(turn) - (xs - cx) * np.sin(turn)
+    du, dv = (np.maximum(np.abs(w) - (side / 2 - radius), 0) for w in (u, v))
+    return du ** 2 + dv ** 2 < radius ** 2
+
+
+def irregular_circle(rng, xs, ys):
+    """A disc stretched by up to 8 % and its radius waved by 4-8 % (2, 3 or 5 lobes): the model's circles."""
+    radius, (cx, cy) = rng.uniform(10, 14), rng.uniform(20, 44, 2)
+    stretch, lobes, depth = rng.uniform(0.92, 1.08), rng.choice([2, 3, 5]), rng.uniform(0.04, 0.08)
+    angle = np.arctan2(ys - cy, xs - cx)
+    outline = radius * (1 + depth * np.sin(lobes * angle + rng.uniform(0, 2 * np.pi)))
+    return np.hypot((xs - cx) * stretch, (ys - cy) / stretch) < outline
+
+
+def test_soft_squares_and_irregular_circles_count(rng_seed):
+    """What the shipped model draws and the judge calls right: a square with soft corners, a slightly irregular
+    circle. Each reads as its shape above GenEval's counting threshold (0.9); the reader before the fourfold moment
+    read 38-53 % of such squares so (the rest as circles) and 90 % of such circles."""
+    rng, reader = np.random.default_rng(rng_seed), SceneReader()
+    for shape, mask_of in (("square", soft_square), ("circle", irregular_circle)):
+        read = []
+        for _ in range(40):
+            image, xs, ys = canvas_and_grid(rng)
+            image[mask_of(rng, xs, ys)] = PALETTE[list(PALETTE)[rng.integers(len(PALETTE))]]
+            found = reader.read(image.round().astype(np.uint8))
+            read.append([(name, d.score) for name, ds in found.items() for d in ds])
+        right = [len(r) == 1 and r[0][0] == shape and r[0][1] > 0.9 for r in read]
+        assert np.mean(right) >= 0.95, (shape, [r for r, ok in zip(read, right) if not ok])
+
+
+def test_a_textured_blob_is_no_confident_shape(rng_seed):
+    """GRPO once hacked the reader with large textured blobs read as circles. A disc of a palette colour reads as a
+    circle above 0.9; the same disc under per-pixel colour noise (std 45 levels a channel) or speckled (30 % of its
+    pixels another palette colour) gives no object of a quarter of its area above GenEval's 0.3 (before the colour
+    and hole terms: 0.77-1.00 and 0.59-1.00). White is left out of the noise case: its noise is clipped at 255,
+    which halves the distance from the palette colour (white noisy discs still read 0.24-0.45)."""
+    rng, reader = np.random.default_rng(rng_seed), SceneReader()
+    names = list(PALETTE)
+    for _ in range(16):
+        image, xs, ys = canvas_and_grid(rng)
+        radius, (cx, cy) = rng.uniform(10, 14), rng.uniform(17, 47, 2)
+        inside = (xs - cx) ** 2 + (ys - cy) ** 2 < radius ** 2
+        name = names[rng.integers(len(names) - 1)]  # not white (the last)
+        colour = np.array(PALETTE[name], np.float32)
+        others = np.array([PALETTE[n] for n in names if n != name], np.float32)
+        flat, noisy, speckled = image.copy(), image.copy(), image.copy()
+        flat[inside] = colour
+        noisy[inside] = colour + rng.normal(0, 45, (inside.sum(), 3))
+        speckled[inside] = np.where(rng.random((inside.sum(), 1)) < 0.3,
+                                    others[rng.integers(0, len(others), inside.sum())], colour)
+        found = reader.read(flat.round().astype(np.uint8))
+        assert [(s, d.color) for s, ds in found.items() for d in ds] == [("circle", name)]
+        assert found["circle"][0].score > 0.9
+        for textured in (noisy, speckled):
+            found = reader.read(textured.clip(0, 255).round().astype(np.uint8))
+            scores = [d.score for ds in found.values() for d in ds if d.mask.sum() > inside.sum() / 4]
+            assert max(scores, default=0.0) < 0.3, scores
 
 
 def test_rendering_is_deterministic_from_the_seed(rng_seed):
