@@ -39,15 +39,18 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from league_report import choose, cost_model, plot, summarise, sweep_table, tables, task_table, tuned_table  # noqa: E402
+from league_report import (choose, cost_model, phase_table, plot, summarise, sweep_table, tables,  # noqa: E402
+                           task_table, tuned_table)
 from time_to_quality import fit_recorded  # noqa: E402  (the shared machinery)
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST_WINDOW = dict(trained_steps=None, ode_after_trained=False)
 FLASH_TAIL = dict(trained_steps=4, ode_after_trained=True, ode_solver="dpmpp_2m", ode_steps=2)
 UNFUSED_EXACT = dict(jagg_frac=0.0, fused_rollout=False)
+DPPO_TWO_UPDATES = dict(train_batch_size=32, micro_batches_per_update=2)  # configs/digits_flow_dppo.yaml
 
-# name -> {"sampling": ..., "grpo": ..., "jagg": ..., "what": one line, "needs": a module that must import}
+# name -> {"sampling": ..., "grpo": ..., "jagg": ..., "what": one line, "needs": a module that must import,
+#          "updates_per_rollout": optimizer steps per rollout (1 if absent): the run makes --steps ROLLOUTS}
 METHODS = {
     "exact": dict(jagg=UNFUSED_EXACT, what="exact Flow-GRPO, every step trained (the reference)"),
     "jagg_w5_fused": dict(jagg=dict(window_size=5, jagg_frac=1.0, fused_rollout=True),
@@ -102,16 +105,57 @@ METHODS = {
                              objective=dict(name="awm", num_levels=9, levels="schedule", awm_weighting="uniform",
                                             kl_beta=0.0, shared_noise=True, jagg=True, jagg_window=3),
                              what="AWM with JAGG over its noise levels, windows of 3 levels (one backward each)"),
+    # DGPO (issue 57): configs/digits_dgpo.yaml's settings -- DPM-Solver++ ODE rollout, K = 4 levels among the
+    # schedule's first 5 times, beta_dpo 100, clip_dsm 0.01, KL 0.02, group-shared noise (the authors' config/dgpo.py)
+    "dgpo": dict(sampling=dict(trained_steps=None, ode_after_trained=True, ode_solver="dpmpp_2m"),
+                 grpo=dict(adv_std="group", adv_clip=5.0), jagg=UNFUSED_EXACT,
+                 objective=dict(name="dgpo", num_levels=4, levels="schedule", dgpo_trunc_steps=4, dgpo_beta=100.0,
+                                dgpo_clip_range=0.01, dgpo_old_rollout_after=500, dgpo_group_noise=True,
+                                kl_beta=0.02),
+                 what="DGPO: ODE rollout (DPM-Solver++), group DPO at 4 high-noise levels (configs/digits_dgpo.yaml)"),
+    # Flow-DPPO (issue 57): configs/digits_flow_dppo.yaml's settings with its own exact line (jagg_frac 0): every
+    # SDE step trained, the KL mask at 1e-5, two optimizer steps per rollout (4 micro-batches of 32, 2 per update)
+    "flow_dppo": dict(grpo=dict(kl_beta=0.0, **DPPO_TWO_UPDATES), jagg=UNFUSED_EXACT, updates_per_rollout=2,
+                      objective=dict(name="flow_dppo", dppo_threshold=1e-5),
+                      what="exact Flow-DPPO: every step trained, KL mask 1e-5, two updates per rollout"),
+    # JAGG under Flow-DPPO's loss, in the cheapest regime JAGG has (jagg_w4_flash_tail's rollout). Unfused: the fused
+    # mode makes one update per rollout, at theta = theta_old, where the mask drops nothing and the gradient is
+    # GRPO's (docs/method.md section 10) -- fused, this row would be jagg_w4_flash_tail's; two updates let the mask act
+    "jagg_w4_flow_dppo": dict(sampling=FLASH_TAIL, grpo=dict(kl_beta=0.0, **DPPO_TWO_UPDATES),
+                              jagg=dict(window_size=4, jagg_frac=1.0, fused_rollout=False), updates_per_rollout=2,
+                              objective=dict(name="flow_dppo", dppo_threshold=1e-5),
+                              what="JAGG W = 4, first 4 steps + the 2M tail, Flow-DPPO, two updates per rollout"),
 }
+# The cost levers (issue 57): the fastest methods with fewer rollout steps or noise levels, for a grid on one seed
+# outside the ten (benchmarks/README.md, "The cost levers"); not in the default league
+for _k in (1, 3):
+    METHODS[f"jagg_w4_flash_tail_2m{_k}"] = dict(sampling=dict(FLASH_TAIL, ode_steps=_k), lever=True,
+                                                jagg=METHODS["jagg_w4_flash_tail"]["jagg"],
+                                                what=f"fused JAGG W = 4 over the first 4 steps + a {_k}-step 2M tail")
+for _k in (1, 3, 5):
+    METHODS[f"nft_k{_k}"] = dict(METHODS["nft"], objective=dict(METHODS["nft"]["objective"], num_levels=_k),
+                                 lever=True, what=f"DiffusionNFT with {_k} noise level(s) per sample")
+for _k in (3, 5):
+    METHODS[f"awm_k{_k}"] = dict(METHODS["awm"], objective=dict(METHODS["awm"]["objective"], num_levels=_k),
+                                 lever=True, what=f"AWM with {_k} noise levels per sample")
+
 # The cost model (docs/method.md section 11): per sample and training step, (rollout forwards, the update's forwards with
 # grad, its no-grad forwards, one-step backwards). Fused JAGG's rollout forwards carry the graphs (no update forward);
 # its one backward call sweeps the 2 anchors of each routed window. NFT's theta_old forward per level is counted (it
 # lags from the second step on). Predicted CPU = R + G + N + b B (in F, b = B / F) + D (decode, reward, optimizer).
-COST = {"exact": (10, 10, 0, 10), "jagg_w5_fused": (10, 0, 0, 4), "jagg_w4_fused": (10, 2, 0, 6), "flow_grpo_fast": (10, 3, 0, 3), "mixgrpo": (10, 2, 0, 2), "flash_tail": (6, 4, 0, 4), "flash_grpo": (10, 1, 0, 1), "flash_grpo_group": (10, 1, 0, 1), "dance_fraction": (10, 6, 0, 6), "jagg_w5_guard": (10, 0, 0, 4), "exact_guard": (10, 10, 0, 10), "jagg_w4_flash_tail": (6, 0, 0, 2), "nft": (10, 9, 9, 9), "awm": (10, 9, 0, 9), "awm_k1": (10, 1, 0, 1), "awm_multi_t_jagg": (10, 6, 3, 6)}
+COST = {"exact": (10, 10, 0, 10), "jagg_w5_fused": (10, 0, 0, 4), "jagg_w4_fused": (10, 2, 0, 6), "flow_grpo_fast": (10, 3, 0, 3), "mixgrpo": (10, 2, 0, 2), "flash_tail": (6, 4, 0, 4), "flash_grpo": (10, 1, 0, 1), "flash_grpo_group": (10, 1, 0, 1), "dance_fraction": (10, 6, 0, 6), "jagg_w5_guard": (10, 0, 0, 4), "exact_guard": (10, 10, 0, 10), "jagg_w4_flash_tail": (6, 0, 0, 2), "nft": (10, 9, 9, 9), "awm": (10, 9, 0, 9), "awm_k1": (10, 1, 0, 1), "awm_multi_t_jagg": (10, 6, 3, 6),
+        # DGPO: K = 4 levels, each a forward with grad, an adapter-off reference forward (its l_ref, whatever kl_beta)
+        # and theta_old's no-grad forward (theta_old lags theta from the second step on), one backward per level.
+        # Flow-DPPO: per ROLLOUT (two optimizer steps, each sample in one of them), exact: GRPO's passes; JAGG W = 4
+        # over the first 4 steps + the tail: 6 rollout forwards, the 2 anchors with grad, the 2 interiors from the
+        # rollout's cache in the first update and by no-grad forwards in the second (theta moved): 1 a sample on average
+        "dgpo": (10, 4, 8, 4), "flow_dppo": (10, 10, 0, 10), "jagg_w4_flow_dppo": (6, 2, 1, 2),
+        "jagg_w4_flash_tail_2m1": (5, 0, 0, 2), "jagg_w4_flash_tail_2m3": (7, 0, 0, 2), "nft_k1": (10, 1, 1, 1),
+        "nft_k3": (10, 3, 3, 3), "nft_k5": (10, 5, 5, 5), "awm_k3": (10, 3, 0, 3), "awm_k5": (10, 5, 0, 5)}
 B_OVER_F = 1.2  # a LoRA-only backward against a forward on this CPU (docs/method.md section 5)
 
 
-DEFAULT = [n for n, m in METHODS.items() if "needs" not in m and n != "exact_guard"]
+DEFAULT = [n for n, m in METHODS.items() if "needs" not in m and "lever" not in m and n != "exact_guard"]
 
 
 def available(name: str) -> str | None:
@@ -138,12 +182,17 @@ def run_config(base: dict, name: str, lr: float | None = None, group_size: int |
 
 
 def one_run(args, cfg: dict, label: str, name: str, seed: int, prompts, heldout) -> dict:
-    rec = fit_recorded(cfg, seed, prompts, heldout, args.steps, args.eval_every)
+    from jagg_lightning.callbacks import StepTimes
+
+    per = METHODS[name].get("updates_per_rollout", 1)  # --steps and --eval-every count rollouts for every method
+    times = StepTimes()  # wall seconds per phase (the held-out evaluations are the Recorder's, outside the phases)
+    rec = fit_recorded(cfg, seed, prompts, heldout, args.steps * per, args.eval_every * per, callbacks=[times])
     m = cfg["model"]
     return {"seed": seed, "setting": label, "method": name, "lr": m["optimizer"]["init_args"]["lr"],
             "group_size": m["sampling"]["group_size"], "overrides": {k: METHODS[name].get(k, {}) for k in
-                                                                     ("sampling", "grpo", "jagg")},
-            "train_reward": rec.train_reward, "cpu": rec.cpu, "evals": rec.evals, "passes": rec.passes}
+                                                                     ("sampling", "grpo", "jagg", "objective")},
+            "train_reward": rec.train_reward, "cpu": rec.cpu, "evals": rec.evals, "passes": rec.passes,
+            "phases": dict(times.totals)}
 
 
 def tuned_settings(args, base: dict) -> dict:
@@ -244,6 +293,8 @@ def main(argv=None):
     text = tables(summary) + "\n\n" + cost_model(summary, COST, B_OVER_F)
     if any(name.endswith(" tuned") for name in summary["table"]):
         text += "\n\n" + tuned_table(summary, result)
+    if phases := phase_table(result):
+        text += "\n\n" + phases
     if task_table(result):
         text += "\n\nGenEval's tasks, first evaluation → final (reader / judge):\n\n" + task_table(result)
     (out / f"{stem}_summary.md").write_text(text + "\n")

@@ -230,3 +230,25 @@ def task_table(result: dict) -> str:
                  f"{mean(rs, 0, 'judge_per_task', t):.2f} → {mean(rs, -1, 'judge_per_task', t):.2f}" for t in tasks]
         lines.append(f"| {name} | {len(rs)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def phase_table(result: dict) -> str:
+    """Where each setting's training time went (the runs that recorded ``StepTimes``' phases): the mean wall seconds
+    per run and each phase's share of them, the held-out evaluations left out ('other': Lightning's loop, Python)."""
+    rows = {}
+    for r in result["runs"]:
+        if r.get("phases"):
+            rows.setdefault(r["setting"], []).append(r["phases"])
+    if not rows:
+        return ""
+    phases = ("rollout", "decode", "reward", "update/forward", "update/backward", "optimizer", "other")
+    lines = ["wall seconds per run (the held-out evaluations left out) and each phase's share; wall time counts the "
+             "machine's other load, so read the shares", "",
+             "| setting | runs | wall s | " + " | ".join(f"{p} %" for p in phases) + " |",
+             "|---|---|---|" + "---|" * len(phases)]
+    for name, ps in rows.items():
+        total = sum(p["time/step"] - p.get("time/evaluation", 0.0) for p in ps) / len(ps)
+        shares = [100 * sum(p.get(f"time/{k}", 0.0) for p in ps) / len(ps) / total if total > 0 else float("nan")
+                  for k in phases]
+        lines.append(f"| {name} | {len(ps)} | {total:.1f} | " + " | ".join(f"{s:.0f}" for s in shares) + " |")
+    return "\n".join(lines)

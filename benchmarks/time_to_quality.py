@@ -119,7 +119,10 @@ class Recorder(L.Callback):
         self.routed, self.scores, self.passes = [], [], []  # per step: which windows were routed, their scores
 
     def evaluate(self, trainer, module):
-        res = self.heldout(module, self.seed)
+        from jagg_lightning.utils.timing import CLOCK
+
+        with CLOCK.phase("evaluation"):  # a phase of its own where a StepTimes runs beside (league.py)
+            res = self.heldout(module, self.seed)
         self.evals.append({"step": trainer.global_step, "cpu": self._cpu, **{k: res[k] for k in
                           ("accuracy", "reward", "judge_accuracy", "judge_agreement", "per_task", "judge_per_task")
                           if k in res}})
@@ -142,9 +145,10 @@ class Recorder(L.Callback):
             self.evaluate(trainer, module)
 
 
-def fit_recorded(cfg: dict, seed: int, prompts, heldout, steps: int, eval_every: int, **jagg) -> Recorder:
+def fit_recorded(cfg: dict, seed: int, prompts, heldout, steps: int, eval_every: int, callbacks=(), **jagg) -> Recorder:
     """One seeded run of the config ``cfg`` (``jagg`` overriding its jagg section) for ``steps`` optimizer steps,
-    recorded (held-out evaluations every ``eval_every`` steps and after the last); the study scripts' one run."""
+    recorded (held-out evaluations every ``eval_every`` steps and after the last), ``callbacks`` beside the recorder;
+    the study scripts' one run."""
     from jagg_lightning.data import PromptDataModule
     from jagg_lightning.testbed.evaluate import module_from_config
 
@@ -157,7 +161,7 @@ def fit_recorded(cfg: dict, seed: int, prompts, heldout, steps: int, eval_every:
         Path(f.name).unlink()
     rec = Recorder(heldout, 1000 + seed, eval_every)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[rec])
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[rec, *callbacks])
     trainer.fit(module, PromptDataModule(prompts=prompts, batch_size=cfg["data"].get("batch_size", 16), seed=seed))
     if rec.evals[-1]["step"] != trainer.global_step:
         rec.evaluate(trainer, module)
