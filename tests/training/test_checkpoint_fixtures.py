@@ -7,11 +7,12 @@ make_fixture.py at the commit in ``expected.safetensors``' metadata).
 * ``before_shape_pass/full``: a full fine-tune with its frozen KL reference and the control variate (EMA,
   scheduler), from before issue 27.
 
-float64 policies, but the rewards and so the advantages are float32 (the reward's dtype), and float32 sums round by
-the CPU's vector width: on another CPU than the fixture's the run drifts by ~1e-6 relative after two steps (AdamW's
-second step divides two gradients, so it magnifies the advantages' rounding; measured on an AVX-512 machine against
-a fixture written elsewhere: 5.6e-6 at step 2, 2.7e-6 at step 4). So the test first re-runs the old run's first two
-steps with today's code and measures how far this CPU is from the fixture's, ``drift`` (relative, worst weight):
+float64 policies, but the fixtures' code computed the advantages in float32 (the reward's dtype; today's code: in
+float64, ``Sampler.scored``), and float32 sums round by the CPU's vector width: on another CPU than the fixture's,
+or with today's float64 advantages, the run drifts by ~1e-6 relative after two steps (AdamW's second step divides
+two gradients, so it magnifies the advantages' rounding; measured on an AVX-512 machine against a fixture written
+elsewhere: 5.6e-6 at step 2, 2.7e-6 at step 4). So the test first re-runs the old run's first two steps with
+today's code and measures how far it is from the fixture's, ``drift`` (relative, worst weight):
 
 * ``drift`` 0 (same kernels, same summation order): the resumed run must match bit for bit;
 * else ``drift`` must be small (<= 1e-4: today's code trains those steps as the old code did -- a change of
