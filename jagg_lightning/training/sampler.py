@@ -144,12 +144,19 @@ class Sampler:
                ahead: int | None = None) -> Iterator[ScoredMicroBatch]:
         """Each micro-batch with its rewards, in order. A micro-batch is decoded and scored as soon as it is sampled
         (in the reward pool when ``reward_workers`` > 0, :meth:`score_later`, so scoring overlaps the next one's
-        sampling) and yielded once ``ahead`` more have been sampled (None: after the last one)."""
+        sampling) and yielded once ``ahead`` more have been sampled (None: after the last one).
+
+        The rewards come in the GRPO math's dtype (``sde_dtype``: float64 with a float64 policy; a reward scores in
+        float32): a float32 group mean rounds by the shape of the reward tensor (a group alone or beside another:
+        1 group in 10^3 to 10^4 differs by an ulp, by CPU), and a float64 run's advantages must not depend on how
+        its micro-batches are cut."""
         waiting: deque[tuple[SampledMicroBatch, Future]] = deque()
 
         def oldest() -> ScoredMicroBatch:
             mb, job = waiting.popleft()
-            return ScoredMicroBatch(mb, *job.result())
+            total, components = job.result()
+            components = {name: scores.to(self.sde_dtype) for name, scores in components.items()}
+            return ScoredMicroBatch(mb, total.to(self.sde_dtype), components)
 
         for mb in micro_batches:
             waiting.append((mb, self.score_later(reward, mb.final, sample_prompts[mb.rows])))

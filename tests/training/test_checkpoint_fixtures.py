@@ -7,11 +7,15 @@ make_fixture.py at the commit in ``expected.safetensors``' metadata).
 * ``before_shape_pass/full``: a full fine-tune with its frozen KL reference and the control variate (EMA,
   scheduler), from before issue 27.
 
-float64 policies, but the rewards and so the advantages are float32 (the reward's dtype), and float32 sums round by
-the CPU's vector width: on another CPU than the fixture's the run drifts by ~1e-6 relative after two steps (AdamW's
-second step divides two gradients, so it magnifies the advantages' rounding; measured on an AVX-512 machine against
-a fixture written elsewhere: 5.6e-6 at step 2, 2.7e-6 at step 4). So the test first re-runs the old run's first two
-steps with today's code and measures how far this CPU is from the fixture's, ``drift`` (relative, worst weight):
+float64 policies, but the fixtures' code computed the advantages in float32 (the reward's dtype; today's code: in
+float64, ``Sampler.scored``), so the test re-runs them with the old code's float32 advantages
+(:func:`float32_advantages`): today's float64 advantages differ by float32's rounding, which AdamW's sign-like steps
+magnify to 3e-5 to 5e-4 relative after two steps (measured), near what a changed behaviour does. And float32 sums
+round by the CPU's vector width: on another CPU than the fixture's the run drifts by ~1e-6 to 1e-4 relative after
+two steps (AdamW's second step divides two gradients, so it magnifies the advantages' rounding; measured on an
+AVX-512 machine against a fixture written elsewhere: 5.6e-6 at step 2, 2.7e-6 at step 4; on another,
+``before_shape_pass/full``: 9.4e-5). So the test first re-runs the old run's first two steps with today's code and
+measures how far this CPU is from the fixture's, ``drift`` (relative, worst weight):
 
 * ``drift`` 0 (same kernels, same summation order): the resumed run must match bit for bit;
 * else ``drift`` must be small (<= 1e-4: today's code trains those steps as the old code did -- a change of
@@ -27,6 +31,8 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+
+from jagg_lightning.training.update import Updater
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -46,8 +52,22 @@ CASES = {  # fixture folder -> (its make_fixture.py folder, the run's name in it
 }
 
 
+@pytest.fixture
+def float32_advantages(monkeypatch):
+    """The fixtures' code's advantages: computed from float32 rewards (today's: from the rewards in float64, a float64
+    run's compute dtype). The rewards are float32 values either way (every reward scores in float32), so the cast
+    back is exact and the advantages are the old code's bit for bit."""
+    advantages = Updater.reward_advantages
+
+    def from_float32_rewards(self, rewards, components, *args, **kwargs):
+        assert rewards.dtype == torch.float64  # else the fixtures' runs are not today's float64 runs
+        return advantages(self, rewards.float(), {n: c.float() for n, c in components.items()}, *args, **kwargs)
+
+    monkeypatch.setattr(Updater, "reward_advantages", from_float32_rewards)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_an_old_checkpoint_resumes_as_the_old_run_continued(case, tmp_path):
+def test_an_old_checkpoint_resumes_as_the_old_run_continued(case, tmp_path, float32_advantages):
     folder, run, prefix = CASES[case]
     fx = fixture_module(folder)
     build = (lambda: fx.build_module()) if run is None else (lambda: fx.build_module(run))

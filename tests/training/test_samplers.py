@@ -340,3 +340,5 @@ def test_first_update_ratio_does_not_warn_when_it_is_one(dtype, rollout_batch_si
     assert not module.first_update_ratio_off
     assert float(trainer.callback_metrics["train/ratio_first_update_off"]) == 0.0
     assert module.first_update_ratio_deviation < (1e-12 if dtype == "float64" else 1e-6)
+    # the advantages in the GRPO math's dtype: float64 in a float64 run, float32 (the rewards' own) else
+    assert module.last_rollout.advantages.dtype == (torch.float64 if dtype == "float64" else torch.float32)

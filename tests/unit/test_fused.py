@@ -74,6 +74,11 @@ def test_fused_gradient_equals_unfused(case, rng_seed):
     fused_update, fused_passes = fit_once(fused)
     assert sum(float(u.abs().sum()) for u in unfused_update) > 0
     assert rel_error(fused_update, unfused_update) < 1e-10
+    # a float64 run's advantages are float64 (Sampler.scored): the fused mode's, per rollout micro-batch, are the
+    # unfused whole rollout's (in float32 a group mean rounds by the reward tensor's shape: 1 group in 10^3 to 10^4)
+    advantages = fused.last_rollout.advantages
+    assert advantages.dtype == torch.float64
+    torch.testing.assert_close(advantages, unfused.last_rollout.advantages, rtol=1e-13, atol=1e-13)
     # the same windows did the same work; the fused mode took its forwards with grad from the rollout
     assert fused_passes["routed_windows"] > 0 or options["jagg_frac"] == 0
     assert fused_passes["fused_forward"] > 0 and unfused_passes["fused_forward"] == 0
