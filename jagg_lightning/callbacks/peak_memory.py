@@ -49,7 +49,7 @@ class PeakMemory(L.Callback):
     test beds, minutes for a 12B transformer); ``plan=False`` skips it and logs the peak alone.
 
     Args:
-        plan (bool): Trace ``jagg plan``'s prediction at the start of training (default True).
+        plan (bool): Trace the prediction of `jagg plan` at the start of training (default True).
     """
 
     def __init__(self, plan: bool = True):
