@@ -240,11 +240,7 @@ def step_loss(
     loss = policy_loss if weight == 1.0 else weight * policy_loss
     kl = torch.zeros_like(policy_loss)
     if kl_beta > 0:
-        if record.ref_velocity is None:
-            raise ValueError("kl_beta > 0 needs the reference velocity of every trained step")
-        ref = step_distribution(record.z, record.ref_velocity, record.t, record.t_next, kind, noise_level)
-        scale = dist.sigma if kl_convention == "flow_grpo" else dist.std
-        kl = ((dist.mean - ref.mean.detach()) ** 2).mean(dim=tuple(range(1, v.ndim))) / (2 * scale.flatten() ** 2)
+        kl = step_kl(record, dist, kind, noise_level, kl_convention)
         loss = loss + kl_beta * kl
     stats = StepLossStats(
         policy_loss=policy_loss.detach(),
@@ -256,6 +252,16 @@ def step_loss(
         old_log_prob=record.old_log_prob.detach().to(log_prob.dtype),
     )
     return loss, stats
+
+
+def step_kl(record: StepRecord, dist, kind: StepKind, noise_level: float, kl_convention: str) -> Tensor:
+    """Per sample, the KL of the step's Gaussian to the reference policy's (same std):
+    ||mu_theta - mu_ref||^2 (mean over the latent) / (2 s^2), s = sigma_t (Flow-GRPO's convention) or the step's std."""
+    if record.ref_velocity is None:
+        raise ValueError("kl_beta > 0 needs the reference velocity of every trained step")
+    ref = step_distribution(record.z, record.ref_velocity, record.t, record.t_next, kind, noise_level)
+    scale = dist.sigma if kl_convention == "flow_grpo" else dist.std
+    return ((dist.mean - ref.mean.detach()) ** 2).mean(dim=tuple(range(1, dist.mean.ndim))) / (2 * scale.flatten() ** 2)
 
 
 def guarded_log_ratio(log_ratio: Tensor, mean: Tensor, old_mean: Tensor, std: Tensor) -> Tensor:

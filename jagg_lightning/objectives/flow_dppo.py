@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jagg_lightning.method.grpo import StepLossStats, StepRecord
+from jagg_lightning.method.grpo import StepLossStats, StepRecord, step_kl
 from jagg_lightning.method.jagg import alphas
 from jagg_lightning.method.sde import STEP_KINDS, step_distribution
 from jagg_lightning.objectives.base import Objective
@@ -77,11 +77,7 @@ def dppo_step_loss(v: Tensor, record: StepRecord, kind: str, noise_level: float,
     loss = policy_loss  # grpo's per-step weights (rectification, 1 / (-dt)) are refused with this objective
     kl = torch.zeros_like(policy_loss)
     if kl_beta > 0:
-        if record.ref_velocity is None:
-            raise ValueError("kl_beta > 0 needs the reference velocity of every trained step")
-        ref = step_distribution(record.z, record.ref_velocity, record.t, record.t_next, kind, noise_level)
-        scale = dist.sigma if kl_convention == "flow_grpo" else dist.std
-        kl = ((dist.mean - ref.mean.detach()) ** 2).flatten(1).mean(1) / (2 * scale.flatten() ** 2)
+        kl = step_kl(record, dist, kind, noise_level, kl_convention)
         loss = loss + kl_beta * kl
     stats = StepLossStats(policy_loss=policy_loss.detach(), kl=kl.detach(), ratio=ratio.detach(),
                           approx_kl=divergence, clipped=dropped.to(ratio.dtype), log_ratio=log_ratio.detach(),
