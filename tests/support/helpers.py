@@ -190,3 +190,16 @@ class SlowJpeg(JpegCompressibility):
 
         time.sleep(self.seconds)
         return super().score(images, prompts)
+
+
+def velocities_with(weights, params, velocity, zs, times, batch, cond) -> list:
+    """``velocity(z, t, cond)`` at each (z, t) with ``weights`` copied into ``params`` by hand and the parameters put
+    back after: theta_old's velocities for a transcription, without the code under test (no grad)."""
+    with torch.no_grad():
+        saved = [p.detach().clone() for p in params]
+        for p, w in zip(params, weights):
+            p.copy_(w)
+        found = [velocity(z, t.expand(batch), cond) for z, t in zip(zs, times)]
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    return found

@@ -19,7 +19,7 @@ from jagg_lightning.objectives.forward_process import OldPolicy, noise_levels
 from jagg_lightning.training.sampler import Sampler
 from jagg_lightning.training.update import StepReport
 
-from helpers import build_policy, rel_error
+from helpers import build_policy, rel_error, velocities_with
 from toy import SineTimeVelocity, exact_gradient, jagg_gradient, setup
 
 F64 = torch.float64
@@ -86,12 +86,7 @@ def test_dgpo_loss_and_gradient_equal_the_released_code(tiny_sd3, rng_seed):
     zs = [(1 - t) * x0 + t * eps[:, k] for k, t in enumerate(times)]
     with torch.no_grad():
         v_refs = [sampler.reference_velocity(z, t.expand(B), cond) for z, t in zip(zs, times)]
-        saved = [p.detach().clone() for p in params]
-        for p, s in zip(params, old.shadow):
-            p.copy_(s)
-        v_olds = [sampler.velocity(z, t.expand(B), cond) for z, t in zip(zs, times)]
-        for p, s in zip(params, saved):
-            p.copy_(s)
+    v_olds = velocities_with(old.shadow, params, sampler.velocity, zs, times, B, cond)
     total, clipped = 0, []
     for k in range(K):
         v = sampler.velocity(zs[k], times[k].expand(B), cond)

@@ -14,7 +14,7 @@ from jagg_lightning.objectives.nft import nft_decay
 from jagg_lightning.training.sampler import Sampler
 from jagg_lightning.training.update import StepReport
 
-from helpers import build_policy, randomize_lora_b, rel_error
+from helpers import build_policy, randomize_lora_b, rel_error, velocities_with
 from toy import AffineLoRAVelocity, SineTimeVelocity
 
 B, K = 2, 4
@@ -109,14 +109,7 @@ def test_loss_and_gradient_equal_the_papers_formula(case, tiny_sd3, rng_seed):
     with torch.no_grad():
         v_refs = [sampler.reference_velocity(z, t.expand(B), cond) if kl_on else torch.zeros_like(z)
                   for z, t in zip(zs, times)]
-        v_olds = [None] * K
-        if old is not None:
-            saved = [p.detach().clone() for p in params]
-            for p, s in zip(params, old.shadow):
-                p.copy_(s)
-            v_olds = [sampler.velocity(z, t.expand(B), cond) for z, t in zip(zs, times)]
-            for p, s in zip(params, saved):
-                p.copy_(s)
+    v_olds = [None] * K if old is None else velocities_with(old.shadow, params, sampler.velocity, zs, times, B, cond)
     total = 0
     for k in range(K):
         v = sampler.velocity(zs[k], times[k].expand(B), cond)
