@@ -1,27 +1,28 @@
 """``jagg serve-reward`` as a real subprocess on 127.0.0.1 and RemoteReward against it.
 
 The served reward is a WeightedReward of the digits classifier and JPEG compressibility (prompt-dependent,
-two components, no weights to download). A stdlib HTTP server in a thread stands in for a foreign reward
-server where the test needs answers jagg's own server never gives (503s, a slow answer, a short list).
+two components, no weights to download). The client against servers that misbehave is
+test_reward_client.py.
 """
 
 import json
 import os
-import queue
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
+from reward_server import (
+    TOKEN,
+    TOKEN_ENV,
+    batch,
+    post,
+    start_server,
+    stop,
+)
 from safetensors.numpy import save
 
 from jagg_lightning.rewards import (
@@ -36,36 +37,9 @@ from jagg_lightning.rewards.base import RewardError
 from jagg_lightning.rewards.server import _check, parser, serve_main
 from jagg_lightning.rewards.wire import quantize
 
-REPO = Path(__file__).resolve().parents[2]
-TOKEN_ENV, TOKEN = "JAGG_TEST_REWARD_TOKEN", "test-token-5f3a"
 SERVED = {"rewards": [{"class_path": "jagg_lightning.rewards.DigitReward", "init_args": {}},
                       {"class_path": "jagg_lightning.rewards.JpegCompressibility", "init_args": {}}]}
 MAX_BODY_MB = 0.25
-DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-
-
-def start_server(*args: str, port: int = 0, env: dict | None = None, log=None) -> tuple[subprocess.Popen, str]:
-    """``python -m jagg_lightning serve-reward`` on 127.0.0.1; returns once its ready line names the URL."""
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "support"),
-                                                               os.environ.get("PYTHONPATH", "")]),
-                   "OMP_NUM_THREADS": "1", **(env or {})}
-    process = subprocess.Popen([sys.executable, "-m", "jagg_lightning", "serve-reward", *args, "--host", "127.0.0.1",
-                                "--port", str(port)], cwd=REPO, env=environment, stdout=subprocess.PIPE,
-                               stderr=log or subprocess.DEVNULL, text=True)
-    lines = queue.Queue()
-    threading.Thread(target=lambda: lines.put(process.stdout.readline()), daemon=True).start()
-    try:
-        line = lines.get(timeout=60)
-    except queue.Empty:
-        stop(process)
-        raise AssertionError("the reward server printed no ready line within 60 s") from None
-    assert " on http://127.0.0.1:" in line, f"server did not start (exit {process.poll()}): {line!r}"
-    return process, line.split(" on ")[-1].strip()
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.kill()
-    process.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -87,27 +61,6 @@ def local():
 def token(monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     return f"env:{TOKEN_ENV}"
-
-
-def batch(seed: int, size: int, side: int = 32):
-    generator = torch.Generator().manual_seed(seed)
-    images = torch.rand(size, 3, side, side, generator=generator)
-    digits = torch.randint(0, 10, (size,), generator=generator).tolist()
-    return images, [f"the number {DIGITS[d]}" if i % 2 else f"a handwritten digit {d}" for i, d in enumerate(digits)]
-
-
-def post(url: str, body: bytes, content_type: str = "application/vnd.safetensors", token: str | None = TOKEN,
-         headers_out: dict | None = None):
-    """A raw request; (status, decoded JSON answer); ``headers_out`` receives the answer's headers."""
-    headers = {"Content-Type": content_type, **({"Authorization": f"Bearer {token}"} if token else {})}
-    request = urllib.request.Request(url + "/score", data=body, headers=headers, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=30) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as err:
-        if headers_out is not None:
-            headers_out.update(err.headers.items())
-        return err.code, json.loads(err.read())
 
 
 def png_header(width: int, height: int) -> bytes:
@@ -243,35 +196,6 @@ def test_hostile_bodies_are_4xx_not_500(server):
 
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_requests_past_the_in_flight_limit_get_503_with_retry_after_and_the_client_waits_it():
-    """--max_concurrency 1 and a reward that takes 1.5 s: a second request while the first is scored is a 503 with
-    Retry-After, at once; RemoteReward waits the Retry-After (longer than its own backoff) and then gets its
-    answer."""
-    process, url = start_server("--reward", "helpers.SlowJpeg", "--init_args", '{"seconds": 1.5}',
-                                "--max_concurrency", "1")
-    try:
-        images, prompts = batch(11, 1)
-        body = save({"images": (images.permute(0, 2, 3, 1) * 255).round().to(torch.uint8).numpy()},
-                    metadata={"prompts": json.dumps(prompts)})
-        first = ThreadPoolExecutor(1).submit(post, url, body, token=None)
-        time.sleep(0.5)  # the first is being scored
-        headers, started = {}, time.monotonic()
-        status, answer = post(url, body, token=None, headers_out=headers)
-        assert status == 503 and "already in flight (--max_concurrency)" in answer["error"]
-        assert headers.get("retry-after", headers.get("Retry-After")) == "1" and time.monotonic() - started < 1.0
-        assert first.result(timeout=30)[0] == 200
-        remote = RemoteReward(url, retries=3, backoff=0.01, timeout=10)
-        busy = ThreadPoolExecutor(1).submit(post, url, body, token=None)
-        time.sleep(0.5)
-        started = time.monotonic()
-        assert remote(images, prompts).shape == (1,)  # after one 503 and a wait of its Retry-After
-        assert time.monotonic() - started >= 1.0 and busy.result(timeout=30)[0] == 200
-    finally:
-        stop(process)
-
-
-@pytest.mark.subprocess
-@pytest.mark.slow
 def test_remote_reward_is_a_reward_like_any_other(server, token):
     images, prompts = batch(7, 4)
     inner = RemoteReward(server, token=token, name="served", retries=0)
@@ -287,117 +211,6 @@ def test_remote_reward_is_a_reward_like_any_other(server, token):
         RemoteReward(server, token=token, retries=3, backoff=5.0)(images, ["a cat"] * 4)
     assert time.monotonic() - started < 5.0  # a 4xx is answered at once, never retried
 
-
-@pytest.mark.subprocess
-@pytest.mark.slow
-def test_client_retries_then_stops_with_one_line_when_the_server_dies(tmp_path):
-    process, url = start_server("--reward", "jpeg_compressibility")
-    images, prompts = batch(3, 2)
-    remote = RemoteReward(url, retries=2, backoff=0.2, timeout=5)
-    try:
-        first = remote(images, prompts)
-        # a reward that rounds to 8 bits itself (through PIL or like it) sees no difference at all
-        assert torch.equal(first, JpegCompressibility()(images, prompts))
-    finally:
-        stop(process)
-    started = time.monotonic()
-    with pytest.raises(RewardError) as failure:
-        remote(images, prompts)
-    message = str(failure.value)
-    assert "\n" not in message and f"{url}/score failed 3 attempt(s)" in message and "ConnectionRefusedError" in message
-    assert time.monotonic() - started >= 0.2 + 0.4  # the two backoffs were waited
-
-    # a server restarted on the same port while the client is still retrying: the run carries on
-    port = int(url.rsplit(":", 1)[1])
-    patient = RemoteReward(url, retries=40, backoff=0.25, timeout=5)
-    result = {}
-    waiting = threading.Thread(target=lambda: result.update(scores=patient(images, prompts)))
-    waiting.start()
-    process, _ = start_server("--reward", "jpeg_compressibility", port=port)
-    try:
-        waiting.join(timeout=60)
-        assert torch.equal(result["scores"], first)
-    finally:
-        stop(process)
-
-
-class Foreign(BaseHTTPRequestHandler):
-    """A foreign reward server scripted per test: ``script`` is a list of (status, delay_s, body) answers."""
-
-    script: ClassVar[list] = []
-    seen: ClassVar[list] = []
-    trickle: ClassVar[float] = 0.0  # > 0: the answer's body is sent one byte per that many seconds
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))
-        status, delay, body = self.script[min(len(self.seen), len(self.script) - 1)]
-        self.seen.append(status)
-        time.sleep(delay)
-        data = json.dumps(body).encode()
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            if status == 503:
-                self.send_header("Retry-After", "1")
-            self.end_headers()
-            if self.trickle:
-                for i in range(len(data)):
-                    self.wfile.write(data[i:i + 1])
-                    self.wfile.flush()
-                    time.sleep(self.trickle)
-            else:
-                self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
-            pass
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def foreign():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Foreign)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
-
-
-def test_timeouts_and_5xx_are_retried_bad_answers_refused(foreign):
-    images, prompts = batch(5, 3)
-    good = {"scores": [0.5, 1.0, 1.5]}
-    Foreign.seen, Foreign.script = [], [(503, 0, {"error": "busy"}), (200, 1.0, good), (200, 0, good)]
-    scores = RemoteReward(foreign, retries=2, backoff=0.05, timeout=0.3)(images, prompts)
-    assert scores.tolist() == [0.5, 1.0, 1.5] and len(Foreign.seen) == 3  # 503, timeout, answer
-
-    # timeout bounds the whole attempt: an answer trickled a byte every 0.2 s is cut at 1 s, not read for 8 s
-    Foreign.seen, Foreign.script, Foreign.trickle = [], [(200, 0, good)], 0.2
-    started = time.monotonic()
-    with pytest.raises(RewardError, match=r"failed 1 attempt\(s\) \(timeout 1s each\).*TimeoutError"):
-        RemoteReward(foreign, retries=0, timeout=1.0)(images, prompts)
-    assert time.monotonic() - started < 2.0
-    Foreign.trickle = 0.0
-
-    # a 503's Retry-After (1 s) is waited when it is longer than the backoff
-    Foreign.seen, Foreign.script = [], [(503, 0, {"error": "busy"}), (200, 0, good)]
-    started = time.monotonic()
-    assert RemoteReward(foreign, retries=1, backoff=0.01)(images, prompts).tolist() == [0.5, 1.0, 1.5]
-    assert time.monotonic() - started >= 1.0
-
-    Foreign.seen, Foreign.script = [], [(500, 0, {"error": "model fell over"})]
-    failed = rf"{foreign}/score failed 2 attempt\(s\).*last status: HTTP 500: model fell over"
-    with pytest.raises(RewardError, match=failed):
-        RemoteReward(foreign, retries=1, backoff=0.05)(images, prompts)
-    assert len(Foreign.seen) == 2
-
-    for body, words in (({"scores": [0.5, 1.0]}, "returned 2 scores for 3 images"),
-                        ({"scores": [0.5, float("nan"), 1.0]}, "non-finite"),
-                        ({"scores": [0.5, 1.0, 1.5], "components": {"a": [1, 2, float("inf")]}}, "non-finite"),
-                        ({"score": [0.5, 1.0, 1.5]}, "scores must be a list of numbers")):
-        Foreign.seen, Foreign.script = [], [(200, 0, body)]
-        with pytest.raises(RewardError, match=words):
-            RemoteReward(foreign, retries=0)(images, prompts)
 
 
 def test_bad_arguments_fail_before_anything_is_built(capsys, monkeypatch):

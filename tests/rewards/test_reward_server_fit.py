@@ -15,14 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import TINY_TARGETS
+from in_process import jagg_in_process
 from peft import LoraConfig
+from reward_server import start_server, stop
 from safetensors.torch import load_file
 
 from jagg_lightning import JAGGModule
-
-from helpers import TINY_TARGETS
-from in_process import jagg_in_process
-from test_reward_server import start_server, stop
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 

@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from test_reward_server import start_server, stop
+from reward_server import start_server, stop
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 

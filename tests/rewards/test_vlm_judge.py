@@ -10,21 +10,25 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import ClassVar
 
 import pytest
 import torch
+from in_process import tiny_fit_with_reward
+from reward_server import thread_server
+from tiny_vlm import greedy_answer, save_tiny_vlm
 
 from jagg_lightning.rewards import VLMJudgeReward
 from jagg_lightning.rewards.base import RewardError
-from jagg_lightning.rewards.judge_templates import TEMPLATES, VIDEO_NOTE, score_from_logprobs, score_from_text
-
-from in_process import tiny_fit_with_reward
-from tiny_vlm import greedy_answer, save_tiny_vlm
+from jagg_lightning.rewards.judge_templates import (
+    TEMPLATES,
+    VIDEO_NOTE,
+    score_from_logprobs,
+    score_from_text,
+)
 
 SERVE_START_S = 600  # importing transformers + fastapi and loading: ~20 s on idle cores, minutes on a loaded machine
 
@@ -181,11 +185,8 @@ class ChatHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def chat_server():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), ChatHandler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
-    httpd.shutdown()
-    httpd.server_close()
+    with thread_server(ChatHandler) as url:
+        yield f"{url}/v1"
 
 
 def completion(text: str, top: list | None = None) -> bytes:
@@ -293,11 +294,8 @@ def test_the_first_failure_cancels_the_pending_requests(hang):
     margin (not after the three rounds of a pool that drains its queue), and the endpoint gets at most
     concurrency x (retries + 1) = 4 requests (not 12)."""
     FailingHandler.hang, FailingHandler.received = hang, []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FailingHandler)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
-    try:
+    with thread_server(FailingHandler) as base:
+        url = f"{base}/v1"
         judge = VLMJudgeReward(url, model="judge", max_concurrency=2, timeout=1.0, retries=1, backoff=0.05,
                                name="judge")
         start = time.monotonic()
@@ -310,9 +308,6 @@ def test_the_first_failure_cancels_the_pending_requests(hang):
         assert ("TimeoutError" if hang else "HTTP 500: GPU is on fire") in message
         assert elapsed < 1.0 * 2 + 1.0, elapsed
         assert len(FailingHandler.received) <= 2 * 2, len(FailingHandler.received)
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
 
 
 def test_slow_endpoint_fails_within_the_timeout(chat_server):

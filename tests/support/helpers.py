@@ -177,7 +177,7 @@ def float64_reward(dtype) -> Reward | str:
 
 class SlowJpeg(JpegCompressibility):
     """JPEG compressibility that takes ``seconds`` per call: a served reward busy long enough for the reward server's
-    in-flight limit to be seen (tests/rewards/test_reward_server.py)."""
+    in-flight limit to be seen (tests/rewards/test_reward_client.py)."""
 
     name = "slow_jpeg"
 
