@@ -18,8 +18,9 @@ AVX-512 machine against a fixture written elsewhere: 5.6e-6 at step 2, 2.7e-6 at
 measures how far this CPU is from the fixture's, ``drift`` (relative, worst weight):
 
 * ``drift`` 0 (same kernels, same summation order): the resumed run must match bit for bit;
-* else ``drift`` must be small (<= 1e-4: today's code trains those steps as the old code did -- a change of
-  behaviour moves the weights by 1e-3 to 1e-1, measured by changing one reward by one JPEG byte) and the resumed
+* else ``drift`` must be small (<= 3e-4, ``DRIFT_BOUND``: today's code trains those steps as the old code did -- a
+  change of behaviour moves the weights by 1e-3 to 1e-1, measured by changing one reward by one JPEG byte; the bound
+  sits 3x under that and 3x over the largest CPU drift measured, 9.4e-5, which a bound of 1e-4 nearly met) and the resumed
   run must match to max(1e-9, 20 drift) relative: a resume that restores something wrongly (RNG, EMA, optimizer,
   scheduler, the rollout counter) moves them by as much as a changed behaviour does."""
 
@@ -35,6 +36,7 @@ from safetensors.torch import load_file
 from jagg_lightning.training.update import Updater
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+DRIFT_BOUND = 3e-4  # another CPU's float32 rounding (<= 9.4e-5 measured) < this < a change of behaviour (>= 1e-3)
 
 
 def fixture_module(folder: str):
@@ -83,8 +85,8 @@ def test_an_old_checkpoint_resumes_as_the_old_run_continued(case, tmp_path, floa
     fx.trainer(tmp_path / "again", fx.CHECKPOINT_STEP, False).fit(again, fx.data())
     drift = max(float((again.get_parameter(n).detach() - w).abs().max() / w.abs().max())
                 for n, w in ckpt["state_dict"].items())
-    assert drift <= 1e-4, (f"today's code trains the fixture's first {fx.CHECKPOINT_STEP} steps {drift:.2e} (relative) "
-                           "away from the old code: more than another CPU's float32 rounding explains")
+    assert drift <= DRIFT_BOUND, (f"today's code trains the fixture's first {fx.CHECKPOINT_STEP} steps {drift:.2e} "
+                                  "(relative) away from the old code: more than another CPU's float32 rounding explains")
 
     resumed = build()  # fresh frozen weights (same seed); trained weights, EMA, AdamW, RNG from the checkpoint
     trainer = fx.trainer(tmp_path / "resumed", fx.FINAL_STEP, False)
