@@ -213,6 +213,8 @@ def run(args) -> dict:
 
     torch.set_num_threads(1)
     base = yaml.safe_load(Path(args.config).read_text())
+    if args.balance_tasks:
+        base["data"]["balance_tasks"] = True
     prompts = read_prompts(base["data"]["prompts_file"])
     heldout = heldout_for(base, args.eval_samples, images_per_task=args.images_per_task)
     out = Path(args.out) / args.name
@@ -259,6 +261,8 @@ def main(argv=None):
     p.add_argument("--images-per-task", type=int, default=None,
                    help="scenes: at least this many held-out images per GenEval task (rows repeated, one sample each; "
                         "replaces --eval-samples)")
+    p.add_argument("--balance-tasks", action="store_true",
+                   help="GenEval prompts: every task's train rows repeated to the largest task's count (data.balance_tasks)")
     p.add_argument("--sweep", action="store_true", help="a tuning grid per method (--lr x --group-size)")
     p.add_argument("--lr", type=float, nargs="+", default=None)
     p.add_argument("--group-size", type=int, nargs="+", default=None)

@@ -162,7 +162,9 @@ def fit_recorded(cfg: dict, seed: int, prompts, heldout, steps: int, eval_every:
     rec = Recorder(heldout, 1000 + seed, eval_every)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[rec, *callbacks])
-    trainer.fit(module, PromptDataModule(prompts=prompts, batch_size=cfg["data"].get("batch_size", 16), seed=seed))
+    data = PromptDataModule(prompts=prompts, batch_size=cfg["data"].get("batch_size", 16), seed=seed,
+                            balance_tasks=cfg["data"].get("balance_tasks", False))
+    trainer.fit(module, data)
     if rec.evals[-1]["step"] != trainer.global_step:
         rec.evaluate(trainer, module)
     return rec
