@@ -35,14 +35,31 @@ TWINS = {  # family -> policy settings of a twin (guided where the family has CF
     "wan_i2v": dict(guidance_scale=3.0, max_sequence_length=512),  # 36 input channels, 17 CLIP tokens beside the text
     "wan22_ti2v": dict(guidance_scale=3.0),  # the image's latent frame first, per-token timesteps
     "ltx2": dict(guidance_scale=3.0, max_sequence_length=16),  # the joint video + audio latent, both streams
+    # the condition latent + mask beside z, ByT5's glyph tokens and one zero image token (text-to-video: the forward's
+    # branch on torch.all(image_embeds == 0) and its masked reorder decided by the trace) or SigLIP's 16
+    "hunyuan_video15": dict(guidance_scale=6.0, max_sequence_length=16),
+    "hunyuan_video15_i2v": dict(guidance_scale=6.0, max_sequence_length=16),
 }
 TEXT_AS_ENCODED = ("qwen_image", "qwen_image_edit", "z_image")  # the condition as long as the prompt (the plan: a bound)
+COLUMNS_AS_USED = ("hunyuan_video15", "hunyuan_video15_i2v")  # padding no row uses is dropped (the plan: the bound)
 
 
-def _plan(policy_config, text_tokens=None, **setup):
+def _plan(policy_config, text_tokens=None, spec=None, **setup):
     sampling = SamplingConfig(num_steps=5, group_size=2, rollout_batch_size=2)
     return plan_memory(policy_config, sampling, GRPOConfig(train_batch_size=2), JAGGConfig(window_size=2),
-                       MemoryConfig(), 1, Setup(**setup), text_tokens=text_tokens)
+                       MemoryConfig(), 1, Setup(**setup), spec=spec, text_tokens=text_tokens)
+
+
+def columns_used(policy, cond) -> tuple[int, dict]:
+    """(Qwen2.5-VL tokens, the spec's condition with ByT5's glyph tokens) of HunyuanVideo 1.5's forward on ``cond``:
+    the columns of the masks that a row uses (the probe "a" quotes no text: one glyph column)."""
+    from jagg_lightning.policies.hunyuan_video15 import used_columns
+
+    k = policy.TEXT_ENTRIES
+    spec = twin_spec(policy.family)
+    glyph = used_columns(cond[3], cond[k + 3])
+    return used_columns(cond[1], cond[k + 1]), dataclasses.replace(spec, condition=spec.condition | {
+        "glyph_tokens": glyph})
 
 
 @pytest.mark.parametrize("family", sorted(TWINS))
@@ -66,7 +83,10 @@ def test_traced_activations_equal_the_real_policys(family, trainable, monkeypatc
     # max_sequence_length), Qwen-Image-Edit's with the source's vision tokens (the plan counts them, tested below)
     probe = ConditionedPrompt("a", [torch.full((3, 8, 8), 0.5)] * policy.condition_images[0])
     text = sampler.encode([probe])[0].shape[1] if family in TEXT_AS_ENCODED else None
-    plan = _plan(dataclasses.replace(config), text_tokens=text)
+    spec = None
+    if family in COLUMNS_AS_USED:
+        text, spec = columns_used(policy, sampler.encode([probe]))
+    plan = _plan(dataclasses.replace(config), text_tokens=text, spec=spec)
     assert tuple(plan.geo.latent) == tuple(policy.latent_shape)
     predicted = plan.passes["per_sample_bytes"]
     print(f"{family} {trainable}: traced {predicted} B, measured {measured} B ({predicted / measured - 1:+.2%})")
@@ -138,17 +158,38 @@ def test_every_preset_hub_id_has_a_shipped_config():
 def test_every_family_has_a_plan_and_another_name_is_refused():
     """Every registered family is planned (``test_preset_fits`` then skips no preset); a name that is none of them is
     refused in one line naming the field, before any file is looked for."""
-    from jagg_lightning.memory_plan.models import PLANNED_FAMILIES, UNPLANNED_FAMILIES
+    from jagg_lightning.memory_plan.models import PLANNED_FAMILIES
     from jagg_lightning.policies import FAMILIES
 
-    # a family not planned yet is named with its reason (its presets wait in configs/pending/)
-    assert set(FAMILIES) <= set(PLANNED_FAMILIES) | set(UNPLANNED_FAMILIES), sorted(
-        set(FAMILIES) - set(PLANNED_FAMILIES) - set(UNPLANNED_FAMILIES))
-    for family, why in UNPLANNED_FAMILIES.items():
-        with pytest.raises(ValueError, match=re.escape(f"no memory plan for the {family} family yet: {why}")):
-            model_spec(PolicyConfig(family=family, pretrained="somewhere/else"))
+    assert set(FAMILIES) <= set(PLANNED_FAMILIES), sorted(set(FAMILIES) - set(PLANNED_FAMILIES))
     with pytest.raises(ValueError, match="policy.family: jagg plan has no memory plan for the wan_s2v family"):
         model_spec(PolicyConfig(family="wan_s2v", pretrained="Wan-AI/Wan2.2-S2V-14B"))
+
+
+def test_the_trace_decides_a_branch_on_uniform_data_and_no_other(rng_seed):
+    """Under ``UniformValues`` a fake tensor made of one value answers ``bool`` and indexes as a boolean mask as the
+    real tensor does (all rows or none; through ``.bool()``, ``~``, ``==`` and row iteration), while a question about
+    a tensor of unknown values still fails."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+
+    from jagg_lightning.memory_plan.trace import UniformValues
+
+    gen = torch.Generator().manual_seed(rng_seed)
+    rows, width = (int(x) for x in torch.randint(2, 9, (2,), generator=gen))
+    fill = float(torch.randint(0, 2, (1,), generator=gen))  # the branch taken differs from draw to draw
+    real = torch.full((rows, width), fill)
+    expected = (bool(torch.all(real == 0)), [tuple(x[m].shape) for x, m in zip(real[:, :, None], real.bool())],
+                [tuple(x[~m].shape) for x, m in zip(real[:, :, None], real.bool())])
+    with FakeTensorMode(), UniformValues():
+        x = torch.full((rows, width), fill)
+        got = (bool(torch.all(x == 0)), [tuple(r[m].shape) for r, m in zip(x[:, :, None], x.bool())],
+               [tuple(r[~m].shape) for r, m in zip(x[:, :, None], x.bool())])
+        unknown = torch.empty(rows, width)
+        with pytest.raises(DataDependentOutputException):
+            bool(torch.all(unknown == 0))
+        with pytest.raises(DynamicOutputShapeException):
+            x[unknown > 0]
+    assert got == expected
 
 
 @pytest.mark.parametrize("processor_of", ["twin", "published"])
