@@ -18,7 +18,7 @@ from PIL import Image
 from jagg_lightning.data import PromptDataModule
 from jagg_lightning.models.adapters import save_adapter
 from jagg_lightning.models.export import save_transformer
-from jagg_lightning.policies import PolicyConfig, build_policy, detect_family
+from jagg_lightning.policies import build_policy, detect_family
 
 from helpers import assert_loaded_velocity_is_the_trained, handwritten_update_error, randomize_lora_b
 from plan_checks import assert_folder_plans_as_twin

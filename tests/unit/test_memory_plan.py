@@ -5,8 +5,6 @@ against the published figures."""
 import dataclasses
 import math
 
-import re
-
 import pytest
 import torch
 
@@ -121,6 +119,9 @@ PUBLISHED = {
     "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": (16.39e9, 0.05e9),
     "Wan-AI/Wan2.2-TI2V-5B-Diffusers": (5e9, 0.5e9),  # "5B"  # "20B"
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": (14e9, 0.5e9),  # "14B" per expert
+    # "8.3B" (HunyuanVideo 1.5's model card), both 480p transformers (one config but for task_type)
+    "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v": (8.3e9, 0.05e9),
+    "hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v": (8.3e9, 0.05e9),
     # the names' figures, not roundings of the count: Wan2.1's "1.3B" (30 blocks of width 1536 count 1.42B) and
     # SD3.5 Medium's announced "2.5B" (the config, checked against two independent copies, counts 2.24B)
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": (1.3e9, 0.13e9),
