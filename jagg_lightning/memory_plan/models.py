@@ -104,12 +104,14 @@ FAMILY_OF_PIPELINE = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux",
                       "QwenImageEditPipeline": "qwen_image_edit",
                       "ZImagePipeline": "z_image",
                       "WanImageToVideoPipeline": "wan_i2v",
-                      "LTX2Pipeline": "ltx2", "HunyuanVideo15Pipeline": "hunyuan_video15",
+                      "LTX2Pipeline": "ltx2", "LTX2ImageToVideoPipeline": "ltx2_i2v",
+                      "HunyuanVideo15Pipeline": "hunyuan_video15",
                       "HunyuanVideo15ImageToVideoPipeline": "hunyuan_video15_i2v"}
-# a family whose folder's model_index.json names another family's pipeline: named by policy.family
-SAME_FOLDER = {"wan22_ti2v": ("wan", "wan_i2v")}
+# a family whose folder's model_index.json names another family's pipeline: named by policy.family (LTX-2's one
+# checkpoint runs as LTX2Pipeline and as LTX2ImageToVideoPipeline)
+SAME_FOLDER = {"wan22_ti2v": ("wan", "wan_i2v"), "ltx2_i2v": ("ltx2",)}
 VIDEO = {"wan": ((480, 832), 81), "wan_i2v": ((480, 832), 81), "wan22_ti2v": ((704, 1280), 121),
-         "ltx2": ((512, 768), 121), "hunyuan_video15": ((480, 848), 121),
+         "ltx2": ((512, 768), 121), "ltx2_i2v": ((512, 768), 121), "hunyuan_video15": ((480, 848), 121),
          "hunyuan_video15_i2v": ((480, 848), 121)}  # native shapes (HunyuanVideo 1.5: from target_size, below)
 HUNYUAN_VIDEO15 = ("hunyuan_video15", "hunyuan_video15_i2v")
 
@@ -119,14 +121,16 @@ def local_spec(folder: Path, named: str | None = None) -> ModelSpec:
     folder's pipeline class does not say it)."""
     index = json.loads((folder / "model_index.json").read_text())
     family = FAMILY_OF_PIPELINE.get(index["_class_name"])
-    if named in SAME_FOLDER and family in SAME_FOLDER[named] or family == "wan_i2v" and index.get("expand_timesteps"):
+    if named in SAME_FOLDER and family in SAME_FOLDER[named]:
+        family = named
+    elif family == "wan_i2v" and index.get("expand_timesteps"):
         family = "wan22_ti2v"  # Wan2.2 TI2V-5B: its folder says WanPipeline, its image-to-video mode is this family
     if family is None:
         raise ValueError(f"policy.pretrained: jagg plan has no memory plan for {index['_class_name']} yet "
                          f"(planned: {', '.join(FAMILY_OF_PIPELINE)})")
     read = lambda part: json.loads((folder / part / "config.json").read_text())  # noqa: E731
     vae = read("vae")
-    if family == "ltx2":  # AutoencoderKLLTX2Video: its patch side x 2 per scaling block, unless it says its ratios
+    if family in ("ltx2", "ltx2_i2v"):  # AutoencoderKLLTX2Video: its patch side x 2 per scaling block, unless it says its ratios
         scaling = sum(map(bool, vae.get("spatio_temporal_scaling", (True,) * 4)))
         spatial = vae.get("spatial_compression_ratio") or vae.get("patch_size", 4) * 2 ** scaling
         temporal = vae.get("temporal_compression_ratio") or vae.get("patch_size_t", 1) * 2 ** scaling
@@ -144,8 +148,9 @@ def local_spec(folder: Path, named: str | None = None) -> ModelSpec:
             continue
         if name.startswith("transformer"):
             continue
-        library, cls_name = entry
-        cls = getattr(importlib.import_module(library), cls_name)
+        library, cls_name = entry  # a pipeline's own module (LTX-2's "ltx2": its connectors) is diffusers'
+        module = library if library in ("diffusers", "transformers") else f"diffusers.pipelines.{library}"
+        cls = getattr(importlib.import_module(module), cls_name)
         if library == "transformers":
             config = _class("transformers.AutoConfig").from_pretrained(folder / name)
             components[name] = count_meta(lambda: cls(config))
@@ -232,7 +237,7 @@ def twin_spec(family: str) -> ModelSpec:
     vae = pipe.vae.config
     if family in ("wan", "wan22", "wan_i2v", "wan22_ti2v"):
         spatial, temporal, native, frames = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal, 32, 9
-    elif family == "ltx2":
+    elif family in ("ltx2", "ltx2_i2v"):
         spatial, temporal, native, frames = pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio, 32, 9
     elif family in HUNYUAN_VIDEO15:
         spatial, temporal, frames = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal, 9
@@ -294,6 +299,7 @@ PLANNED_FAMILIES = (
     "wan_i2v",
     "wan22_ti2v",
     "ltx2",
+    "ltx2_i2v",
     "hunyuan_video15",
     "hunyuan_video15_i2v",
 )
@@ -313,7 +319,10 @@ def model_spec(policy) -> ModelSpec:
         return local_spec(Path(local), policy.family)
     shipped = shipped_specs()
     if policy.pretrained in shipped:
-        return shipped_spec(shipped[policy.pretrained], policy.pretrained)
+        spec = shipped_spec(shipped[policy.pretrained], policy.pretrained)
+        if spec.family in SAME_FOLDER.get(policy.family, ()):  # LTX-2's checkpoint as image-to-video
+            spec.family = policy.family
+        return spec
     raise ValueError(f"policy.pretrained: {policy.pretrained!r} is neither a local pipeline folder nor a hub id with a "
                      f"shipped config (jagg plan works offline; shipped: {', '.join(sorted(shipped))})")
 

@@ -33,6 +33,7 @@ TWINS = {  # family -> policy settings of a twin (guided where the family has CF
     "wan_i2v": dict(guidance_scale=3.0, max_sequence_length=512),  # 36 input channels, 17 CLIP tokens beside the text
     "wan22_ti2v": dict(guidance_scale=3.0),  # the image's latent frame first, per-token timesteps
     "ltx2": dict(guidance_scale=3.0, max_sequence_length=16),  # the joint video + audio latent, both streams
+    "ltx2_i2v": dict(guidance_scale=3.0, max_sequence_length=16),  # the first frame's tokens first, at timestep 0
     # the condition latent + mask beside z, ByT5's glyph tokens and one zero image token (text-to-video: the forward's
     # branch on torch.all(image_embeds == 0) and its masked reorder decided by the trace) or SigLIP's 16
     "hunyuan_video15": dict(guidance_scale=6.0, max_sequence_length=16),
@@ -144,15 +145,16 @@ def test_every_preset_hub_id_has_a_shipped_config():
 
     from jagg_lightning.utils.assets import find_local
 
-    specs = {}  # hub id -> its spec (several presets train one model)
+    specs = {}  # (hub id, family) -> its spec (several presets train one model; LTX-2's as two families)
     for path in sorted(find_local("configs").glob("*.yaml")):
         config = yaml.safe_load(path.read_text())
         if (config.get("trainer") or {}).get("accelerator") != "gpu":  # the GPU presets, as test_preset_fits's
             continue
         policy = config["model"]["policy"]
-        if policy["pretrained"] not in specs:
-            specs[policy["pretrained"]] = model_spec(PolicyConfig(pretrained=policy["pretrained"]))
-        spec = specs[policy["pretrained"]]
+        key = (policy["pretrained"], policy.get("family"))
+        if key not in specs:
+            specs[key] = model_spec(PolicyConfig(pretrained=policy["pretrained"], family=policy.get("family")))
+        spec = specs[key]
         assert spec.family == policy.get("family", spec.family) and "shipped config" in spec.source, path.name
 
 
