@@ -130,7 +130,7 @@ def local_spec(folder: Path, named: str | None = None) -> ModelSpec:
                          f"(planned: {', '.join(FAMILY_OF_PIPELINE)})")
     read = lambda part: json.loads((folder / part / "config.json").read_text())  # noqa: E731
     vae = read("vae")
-    if family in ("ltx2", "ltx2_i2v"):  # AutoencoderKLLTX2Video: its patch side x 2 per scaling block, unless it says its ratios
+    if family in ("ltx2", "ltx2_i2v"):  # AutoencoderKLLTX2Video: its patch side x 2 per scaling block, or its ratios
         scaling = sum(map(bool, vae.get("spatio_temporal_scaling", (True,) * 4)))
         spatial = vae.get("spatial_compression_ratio") or vae.get("patch_size", 4) * 2 ** scaling
         temporal = vae.get("temporal_compression_ratio") or vae.get("patch_size_t", 1) * 2 ** scaling

@@ -261,7 +261,7 @@ def layout(spec, setup, geo, policy, sampling, grpo, jagg, memory, prompts, trac
     config = spec.transformer
     text_dim = (config.get("joint_attention_dim") or config.get("text_dim") or config.get("cap_feat_dim")
                 or config.get("text_embed_dim") or 0)
-    if spec.family in ("ltx2", "ltx2_i2v"):  # the video and the audio connectors' embeddings of each prompt (LTX-2.0: both this wide)
+    if spec.family in ("ltx2", "ltx2_i2v"):  # the video and the audio connectors' embeddings (LTX-2.0: both this wide)
         text_dim = 2 * config["caption_channels"]
     cond = n * traced["rows_per_sample"] * geo.text * text_dim * dtype.itemsize
     what = f"{geo.text} tokens x {text_dim} per sample and branch"

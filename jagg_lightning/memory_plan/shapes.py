@@ -197,7 +197,8 @@ def transformer_inputs(geo: Geometry, config: dict, batch: int, dtype: torch.dty
                     audio_hidden_states=torch.zeros(n, audio, config["audio_in_channels"], dtype=dtype),
                     encoder_hidden_states=torch.zeros(n, geo.text, widths[0], dtype=dtype),
                     audio_encoder_hidden_states=torch.zeros(n, geo.text, widths[1], dtype=dtype),
-                    timestep=video_timestep, audio_timestep=t * 1000, sigma=t * 1000, encoder_attention_mask=torch.ones(n, geo.text, dtype=torch.long),
+                    timestep=video_timestep, audio_timestep=t * 1000, sigma=t * 1000,
+                    encoder_attention_mask=torch.ones(n, geo.text, dtype=torch.long),
                     audio_encoder_attention_mask=torch.ones(n, geo.text, dtype=torch.long), num_frames=geo.grid[0],
                     height=geo.grid[1], width=geo.grid[2], fps=24.0, audio_num_frames=audio, use_cross_timestep=True,
                     return_dict=False)

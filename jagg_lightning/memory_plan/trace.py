@@ -72,11 +72,11 @@ class UniformValues(TorchFunctionMode):
     and ``new_`` forms) holds one value throughout, and so does the result of an elementwise op or a whole-tensor
     reduction of such tensors (computed once on that value: ``==``, ``~``, ``.bool()``, ``torch.all`` ...). A forward
     that asks the data then gets the answer the real forward gets on the same inputs: ``bool(t)`` / ``t.item()`` of a
-    uniform ``t`` is its value (its views and rows keep it), and a uniform boolean mask indexes as all of ``x`` or none of it (``x[mask]``:
-    ``mask.numel()`` or 0 rows of ``x``'s remaining shape). HunyuanVideo 1.5's forward needs both (its text-to-video
-    branch on ``torch.all(image_embeds == 0)``, its valid-tokens-first reorder by the masks). A question about a tensor
-    of unknown values fails as it does without the mode. (The masks a real ``x[mask]`` saves for backward, a byte per
-    token, are not counted.)"""
+    uniform one-element ``t`` is its value (views and rows keep a tensor's value), and a uniform boolean mask indexes
+    as all of ``x`` or none of it (``x[mask]``: ``mask.numel()`` or 0 rows of ``x``'s remaining shape). HunyuanVideo
+    1.5's forward needs both (its text-to-video branch on ``torch.all(image_embeds == 0)``, its valid-tokens-first
+    reorder by the masks). A question about a tensor of unknown values fails as it does without the mode. (The masks
+    a real ``x[mask]`` saves for backward, a byte per token, are not counted.)"""
 
     CREATE = {torch.zeros: 0, torch.ones: 1, torch.zeros_like: 0, torch.ones_like: 1, Tensor.new_zeros: 0,
               Tensor.new_ones: 1}
@@ -95,7 +95,7 @@ class UniformValues(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (Tensor.__bool__, Tensor.item) and args[0] in self.value:
+        if func in (Tensor.__bool__, Tensor.item) and args[0] in self.value and args[0].numel() == 1:
             return func(self.value[args[0]])
         if func is Tensor.__getitem__ and isinstance(args[1], Tensor) and args[1].dtype == torch.bool \
                 and args[1] in self.value:

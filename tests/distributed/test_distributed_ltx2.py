@@ -1,7 +1,8 @@
 """LTX-2 on 2 CPU processes (gloo), one launch: DDP on the text-to-video twin and FSDP2 on the image-to-video twin (the
 same transformer class; the joint audio+video latent, each prompt's first frame travelling to its rank; CFG and KL
 on, JAGG routed, float64) give the one-process update on the same prompts; under FSDP2 every LoRA weight of the
-transformer is a DTensor. (Context parallelism is refused for LTX-2: tests/distributed/test_context_parallel_checks.py.)"""
+transformer is a DTensor. (Context parallelism is refused for LTX-2:
+tests/distributed/test_context_parallel_checks.py.)"""
 
 import textwrap
 
