@@ -17,6 +17,7 @@ from jagg_lightning.models.conditions import ConditionedPrompt
 from jagg_lightning.training.sampler import Sampler
 
 from helpers import fresh_seed
+from plan_checks import columns_used
 
 TWINS = {  # family -> policy settings of a twin (guided where the family has CFG: both branches traced)
     "sd3": dict(guidance_scale=2.0, lora_targets=["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]),
@@ -49,18 +50,6 @@ def _plan(policy_config, text_tokens=None, spec=None, **setup):
                        MemoryConfig(), 1, Setup(**setup), spec=spec, text_tokens=text_tokens)
 
 
-def columns_used(policy, cond) -> tuple[int, dict]:
-    """(Qwen2.5-VL tokens, the spec's condition with ByT5's glyph tokens) of HunyuanVideo 1.5's forward on ``cond``:
-    the columns of the masks that a row uses (the probe "a" quotes no text: one glyph column)."""
-    from jagg_lightning.policies.hunyuan_video15 import used_columns
-
-    k = policy.TEXT_ENTRIES
-    spec = twin_spec(policy.family)
-    glyph = used_columns(cond[3], cond[k + 3])
-    return used_columns(cond[1], cond[k + 1]), dataclasses.replace(spec, condition=spec.condition | {
-        "glyph_tokens": glyph})
-
-
 @pytest.mark.parametrize("family", sorted(TWINS))
 @pytest.mark.parametrize("trainable", ["lora", "full"])
 def test_traced_activations_equal_the_real_policys(family, trainable, monkeypatch):
@@ -84,7 +73,7 @@ def test_traced_activations_equal_the_real_policys(family, trainable, monkeypatc
     text = sampler.encode([probe])[0].shape[1] if family in TEXT_AS_ENCODED else None
     spec = None
     if family in COLUMNS_AS_USED:
-        text, spec = columns_used(policy, sampler.encode([probe]))
+        text, spec = columns_used(policy, sampler.encode([probe]), twin_spec(family))
     plan = _plan(dataclasses.replace(config), text_tokens=text, spec=spec)
     assert tuple(plan.geo.latent) == tuple(policy.latent_shape)
     predicted = plan.passes["per_sample_bytes"]
