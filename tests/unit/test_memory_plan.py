@@ -95,6 +95,24 @@ def test_a_context_degree_and_fsdp2_divide_what_they_shard():
     assert rows(cp)[act] == pytest.approx(rows(four)[act] / 2)
 
 
+def test_the_advice_names_split_anchors_when_both_anchors_do_not_fit():
+    """A device that holds one anchor's activations but not both at once (HunyuanVideo 1.5's presets' case): the
+    advice names ``memory.anchors: split`` with the peak it gives, which fits."""
+    from jagg_lightning.memory_plan import advise
+    from jagg_lightning.memory_plan.plan import GiB
+
+    config = PolicyConfig(family="wan", guidance_scale=3.0)
+    sampling, grpo, jagg = SamplingConfig(num_steps=5, group_size=2, rollout_batch_size=2), GRPOConfig(
+        train_batch_size=2), JAGGConfig(window_size=2, jagg_frac=1.0)
+    batched = plan_memory(config, sampling, grpo, jagg, MemoryConfig(), 1, Setup())
+    split = plan_memory(config, sampling, grpo, jagg, MemoryConfig(anchors="split"), 1, Setup())
+    assert split.peak < batched.peak
+    device = Setup(device_memory_gib=(batched.peak + split.peak) / 2 / 0.9 / GiB)
+    plan = plan_memory(config, sampling, grpo, jagg, MemoryConfig(), 1, device)
+    lines = advise(plan, config, sampling, grpo, jagg, MemoryConfig(), 1)
+    assert not plan.fits and any(line.startswith("set memory.anchors: split") and "(fits)" in line for line in lines)
+
+
 # the published transformer sizes (spec.json says where each is published) and the rounding they are given at
 PUBLISHED = {
     "black-forest-labs/FLUX.1-dev": (12e9, 0.5e9),  # "12B"
