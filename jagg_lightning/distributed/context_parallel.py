@@ -103,11 +103,11 @@ class ContextParallel:
             if any(network is done for done in self.applied):
                 continue
             plan = _plan_for(network)
-            if plan is None:
+            if plan is None or type(network).__name__ in UNUSABLE_PLANS:
+                why = UNUSABLE_PLANS.get(type(network).__name__, "has no context-parallel plan (_cp_plan) in diffusers")
                 raise ContextParallelError(
                     f"trainer.strategy.context_parallel_size {self.size}: the {family!r} family's "
-                    f"{type(network).__name__} has no context-parallel plan (_cp_plan) in diffusers; "
-                    "use context_parallel_size 1 (data parallelism only)")
+                    f"{type(network).__name__} {why}; use context_parallel_size 1 (data parallelism only)")
             heads = getattr(network.config, "num_attention_heads", None)
             if self.kind == "ulysses" and heads is not None and heads % self.size:
                 raise ContextParallelError(
@@ -146,6 +146,14 @@ def build(size: int, kind: ContextKind, device: torch.device, attention_backend:
     shape = (world // size, size, 1) if kind == "ring" else (world // size, 1, size)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("data", "ring", "ulysses"))
     return ContextParallel(size, kind, mesh, device, attention_backend)
+
+
+# transformers whose diffusers plan does not run on what the policy passes, each with why
+UNUSABLE_PLANS = {
+    "LTX2VideoTransformer3DModel": "has a _cp_plan in diffusers that splits the rotary embedding's dim 1, which with "
+    "LTX-2's split RoPE ([B, heads, S, D]) is the heads, not the tokens (a shape error in the first block), and keeps "
+    "the audio stream, whose cross-attention reads the video tokens, whole on every rank",
+}
 
 
 def _plan_for(network: nn.Module) -> dict | None:

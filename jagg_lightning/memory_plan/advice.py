@@ -39,6 +39,9 @@ def advise(plan: MemoryPlan, policy, sampling, grpo, jagg, memory, prompts: int,
         if room_mb * 2**20 >= per_sample:
             again(f"set memory.budget_mb: {room_mb} (fewer samples per pass)",
                   memory=dataclasses.replace(memory, budget_mb=float(room_mb), fused_samples=None))
+    if plan.passes["routed"] and not plan.passes["split_anchors"]:  # half the anchor pass's activations
+        again("set memory.anchors: split (one anchor's activations at a time)",
+              memory=dataclasses.replace(memory, anchors="split"))
     if jagg.fused_rollout:
         again("set jagg.fused_rollout: false (no kept graphs)", jagg=dataclasses.replace(jagg, fused_rollout=False))
     if not policy.gradient_checkpointing:

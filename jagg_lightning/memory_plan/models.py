@@ -104,11 +104,16 @@ FAMILY_OF_PIPELINE = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux",
                       "QwenImageEditPipeline": "qwen_image_edit",
                       "ZImagePipeline": "z_image",
                       "WanImageToVideoPipeline": "wan_i2v",
-                      "LTX2Pipeline": "ltx2"}
-# a family whose folder's model_index.json names another family's pipeline: named by policy.family
-SAME_FOLDER = {"wan22_ti2v": ("wan", "wan_i2v")}
+                      "LTX2Pipeline": "ltx2", "LTX2ImageToVideoPipeline": "ltx2_i2v",
+                      "HunyuanVideo15Pipeline": "hunyuan_video15",
+                      "HunyuanVideo15ImageToVideoPipeline": "hunyuan_video15_i2v"}
+# a family whose folder's model_index.json names another family's pipeline: named by policy.family (LTX-2's one
+# checkpoint runs as LTX2Pipeline and as LTX2ImageToVideoPipeline)
+SAME_FOLDER = {"wan22_ti2v": ("wan", "wan_i2v"), "ltx2_i2v": ("ltx2",)}
 VIDEO = {"wan": ((480, 832), 81), "wan_i2v": ((480, 832), 81), "wan22_ti2v": ((704, 1280), 121),
-         "ltx2": ((512, 768), 121)}  # native shapes
+         "ltx2": ((512, 768), 121), "ltx2_i2v": ((512, 768), 121), "hunyuan_video15": ((480, 848), 121),
+         "hunyuan_video15_i2v": ((480, 848), 121)}  # native shapes (HunyuanVideo 1.5: from target_size, below)
+HUNYUAN_VIDEO15 = ("hunyuan_video15", "hunyuan_video15_i2v")
 
 
 def local_spec(folder: Path, named: str | None = None) -> ModelSpec:
@@ -116,17 +121,21 @@ def local_spec(folder: Path, named: str | None = None) -> ModelSpec:
     folder's pipeline class does not say it)."""
     index = json.loads((folder / "model_index.json").read_text())
     family = FAMILY_OF_PIPELINE.get(index["_class_name"])
-    if named in SAME_FOLDER and family in SAME_FOLDER[named] or family == "wan_i2v" and index.get("expand_timesteps"):
+    if named in SAME_FOLDER and family in SAME_FOLDER[named]:
+        family = named
+    elif family == "wan_i2v" and index.get("expand_timesteps"):
         family = "wan22_ti2v"  # Wan2.2 TI2V-5B: its folder says WanPipeline, its image-to-video mode is this family
     if family is None:
         raise ValueError(f"policy.pretrained: jagg plan has no memory plan for {index['_class_name']} yet "
                          f"(planned: {', '.join(FAMILY_OF_PIPELINE)})")
     read = lambda part: json.loads((folder / part / "config.json").read_text())  # noqa: E731
     vae = read("vae")
-    if family == "ltx2":  # AutoencoderKLLTX2Video: its patch side x 2 per scaling block, unless it says its ratios
+    if family in ("ltx2", "ltx2_i2v"):  # AutoencoderKLLTX2Video: its patch side x 2 per scaling block, or its ratios
         scaling = sum(map(bool, vae.get("spatio_temporal_scaling", (True,) * 4)))
         spatial = vae.get("spatial_compression_ratio") or vae.get("patch_size", 4) * 2 ** scaling
         temporal = vae.get("temporal_compression_ratio") or vae.get("patch_size_t", 1) * 2 ** scaling
+    elif family in HUNYUAN_VIDEO15:  # AutoencoderKLHunyuanVideo15: 16x in space, 4x in time unless it says
+        spatial, temporal = int(vae.get("spatial_compression_ratio", 16)), int(vae.get("temporal_compression_ratio", 4))
     elif vae.get("scale_factor_spatial"):
         spatial, temporal = int(vae["scale_factor_spatial"]), int(vae.get("scale_factor_temporal", 4))
     elif vae.get("temperal_downsample") is not None:
@@ -139,8 +148,9 @@ def local_spec(folder: Path, named: str | None = None) -> ModelSpec:
             continue
         if name.startswith("transformer"):
             continue
-        library, cls_name = entry
-        cls = getattr(importlib.import_module(library), cls_name)
+        library, cls_name = entry  # a pipeline's own module (LTX-2's "ltx2": its connectors) is diffusers'
+        module = library if library in ("diffusers", "transformers") else f"diffusers.pipelines.{library}"
+        cls = getattr(importlib.import_module(module), cls_name)
         if library == "transformers":
             config = _class("transformers.AutoConfig").from_pretrained(folder / name)
             components[name] = count_meta(lambda: cls(config))
@@ -153,6 +163,8 @@ def local_spec(folder: Path, named: str | None = None) -> ModelSpec:
     clip = json.loads(tokenizer.read_text()).get("model_max_length", 77) if family == "sd3" and tokenizer.is_file() else 0
     scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
     native, frames = VIDEO.get(family, ({"qwen_image": (1024, 1024)}.get(family, (sample, sample)), 1))
+    if family in HUNYUAN_VIDEO15:
+        native = hunyuan_default_size(transformer.get("target_size", 640), spatial)
     return ModelSpec(family, transformer, f"{folder} (local pipeline)", experts=2 if (index.get("transformer_2") or
                      [None])[0] else 1, vae_spatial=spatial, vae_temporal=temporal, native_size=native,
                      native_frames=frames, clip_tokens=clip,
@@ -161,13 +173,38 @@ def local_spec(folder: Path, named: str | None = None) -> ModelSpec:
                      components=components, condition=local_condition(folder, family))
 
 
+def hunyuan_default_size(target_size: int, spatial: int) -> tuple[int, int]:
+    """HunyuanVideo 1.5's default (H, W): its pipelines' 16:9 bucket at the transformer's ``target_size`` (480 x 848
+    at 640)."""
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    return tuple(HunyuanVideo15ImageProcessor(vae_scale_factor=spatial).calculate_default_height_width(9, 16,
+                                                                                                       target_size))
+
+
+def hunyuan_condition(family: str, tokenizer_2_max_length: int, vision: dict | None) -> dict:
+    """HunyuanVideo 1.5's condition beside Qwen2.5-VL's tokens: ByT5's glyph tokens (the pipeline's
+    ``tokenizer_2_max_length``, 256: the bound, a prompt quoting no text uses one) and, image-to-video, SigLIP's
+    patches (``vision``: its vision config; 729 at 384 px, 14 px patches). Text-to-video passes one zero image
+    token (HunyuanVideo15Policy.model_inputs), the Geometry's default."""
+    condition = {"glyph_tokens": tokenizer_2_max_length}
+    if family == "hunyuan_video15_i2v" and vision is not None:
+        condition["image_tokens"] = (vision["image_size"] // vision["patch_size"]) ** 2
+    return condition
+
+
 def local_condition(folder: Path, family: str) -> dict:
     """:attr:`ModelSpec.condition` from a local folder: the CLIP image encoder's tokens (Wan2.1 I2V), Qwen2.5-VL's
     patching from the processor's ``preprocessor_config.json`` (Qwen-Image-Edit's published folder) or the
-    ``image_processor`` of its ``processor_config.json`` (as transformers 5 saves a processor)."""
+    ``image_processor`` of its ``processor_config.json`` (as transformers 5 saves a processor), HunyuanVideo 1.5's
+    glyph and SigLIP tokens."""
     if family == "wan_i2v" and (folder / "image_encoder" / "config.json").is_file():
         vision = json.loads((folder / "image_encoder" / "config.json").read_text())
         return {"image_tokens": (vision["image_size"] // vision["patch_size"]) ** 2 + 1}
+    if family in HUNYUAN_VIDEO15:
+        encoder = folder / "image_encoder" / "config.json"
+        return hunyuan_condition(family, hunyuan_glyph_tokens(), json.loads(encoder.read_text()) if encoder.is_file()
+                                 else None)
     if family == "qwen_image_edit":
         legacy, unified = folder / "processor" / "preprocessor_config.json", folder / "processor" / "processor_config.json"
         if legacy.is_file():
@@ -200,8 +237,11 @@ def twin_spec(family: str) -> ModelSpec:
     vae = pipe.vae.config
     if family in ("wan", "wan22", "wan_i2v", "wan22_ti2v"):
         spatial, temporal, native, frames = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal, 32, 9
-    elif family == "ltx2":
+    elif family in ("ltx2", "ltx2_i2v"):
         spatial, temporal, native, frames = pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio, 32, 9
+    elif family in HUNYUAN_VIDEO15:
+        spatial, temporal, frames = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal, 9
+        native = hunyuan_default_size(pipe.transformer.config.target_size, spatial)[0]
     else:
         spatial = getattr(pipe, "vae_scale_factor", None) or 2 ** (len(vae.block_out_channels) - 1)
         temporal, frames = 1, 1
@@ -227,7 +267,21 @@ def twin_condition(family: str, pipe) -> dict:
         return {"image_tokens": (encoder.image_size // encoder.patch_size) ** 2 + 1}
     if family == "qwen_image_edit":
         return vision_patching(pipe.processor.image_processor.to_dict())
+    if family in HUNYUAN_VIDEO15:
+        encoder = getattr(pipe, "image_encoder", None)
+        return hunyuan_condition(family, pipe.tokenizer_2_max_length, None if encoder is None else
+                                 encoder.config.to_dict())
     return {}
+
+
+def hunyuan_glyph_tokens() -> int:
+    """The ByT5 length HunyuanVideo 1.5's pipelines encode to (``tokenizer_2_max_length``, set in ``__init__``)."""
+    import inspect
+
+    from diffusers import HunyuanVideo15Pipeline
+
+    return int(inspect.signature(HunyuanVideo15Pipeline._get_byt5_prompt_embeds).parameters["tokenizer_max_length"]
+               .default)
 
 
 # the families jagg plan sizes (shapes.geometry), one a line; a named other one is refused before anything is read
@@ -245,21 +299,16 @@ PLANNED_FAMILIES = (
     "wan_i2v",
     "wan22_ti2v",
     "ltx2",
+    "ltx2_i2v",
+    "hunyuan_video15",
+    "hunyuan_video15_i2v",
 )
-
-# registered families without a plan yet, each with why (their presets wait in configs/pending/)
-_TRACE_BRANCHES = ("its transformer's forward branches on the data (torch.all(image_embeds == 0), masked indexing), "
-                   "which the meta-device trace cannot follow")
-UNPLANNED_FAMILIES = {"hunyuan_video15": _TRACE_BRANCHES, "hunyuan_video15_i2v": _TRACE_BRANCHES}
 
 
 def model_spec(policy) -> ModelSpec:
     """The :class:`ModelSpec` of a ``PolicyConfig``: the tiny twin, a shipped config (by hub id) or a local folder."""
     from jagg_lightning.utils.assets import find_local
 
-    if policy.family in UNPLANNED_FAMILIES:
-        raise ValueError(f"policy.family: jagg plan has no memory plan for the {policy.family} family yet: "
-                         f"{UNPLANNED_FAMILIES[policy.family]}")
     if policy.family is not None and policy.family not in PLANNED_FAMILIES:
         raise ValueError(f"policy.family: jagg plan has no memory plan for the {policy.family} family yet (planned: "
                          f"{', '.join(PLANNED_FAMILIES)})")
@@ -270,7 +319,10 @@ def model_spec(policy) -> ModelSpec:
         return local_spec(Path(local), policy.family)
     shipped = shipped_specs()
     if policy.pretrained in shipped:
-        return shipped_spec(shipped[policy.pretrained], policy.pretrained)
+        spec = shipped_spec(shipped[policy.pretrained], policy.pretrained)
+        if spec.family in SAME_FOLDER.get(policy.family, ()):  # LTX-2's checkpoint as image-to-video
+            spec.family = policy.family
+        return spec
     raise ValueError(f"policy.pretrained: {policy.pretrained!r} is neither a local pipeline folder nor a hub id with a "
                      f"shipped config (jagg plan works offline; shipped: {', '.join(sorted(shipped))})")
 

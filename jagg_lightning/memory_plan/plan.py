@@ -259,11 +259,15 @@ def layout(spec, setup, geo, policy, sampling, grpo, jagg, memory, prompts, trac
     rows.append(Row("rollout buffers", buffers, f"{n} samples x {S} steps: latents, velocities, log-probs"
                     + (", reference velocities" if grpo.kl_beta > 0 else "")))
     config = spec.transformer
-    text_dim = config.get("joint_attention_dim") or config.get("text_dim") or config.get("cap_feat_dim") or 0
-    if spec.family == "ltx2":  # the video and the audio connectors' embeddings of each prompt (LTX-2.0: both this wide)
+    text_dim = (config.get("joint_attention_dim") or config.get("text_dim") or config.get("cap_feat_dim")
+                or config.get("text_embed_dim") or 0)
+    if spec.family in ("ltx2", "ltx2_i2v"):  # the video and the audio connectors' embeddings (LTX-2.0: both this wide)
         text_dim = 2 * config["caption_channels"]
     cond = n * traced["rows_per_sample"] * geo.text * text_dim * dtype.itemsize
     what = f"{geo.text} tokens x {text_dim} per sample and branch"
+    if geo.glyph:  # HunyuanVideo 1.5: Qwen2.5-VL's (text_embed_dim wide) and ByT5's glyph tokens
+        cond += n * traced["rows_per_sample"] * geo.glyph * config["text_embed_2_dim"] * dtype.itemsize
+        what += f" + {geo.glyph} glyph tokens x {config['text_embed_2_dim']}"
     images, images_what = condition_images(geo, config, dtype.itemsize)  # the sources, first frames: per sample
     if images:
         cond, what = cond + n * images, what + f", and {images_what}"

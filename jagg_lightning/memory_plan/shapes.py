@@ -26,7 +26,9 @@ class Geometry:
     text: int
     grid: tuple[int, ...]  # the token grid: (rows, cols), or (frames, rows, cols) for video
     source: tuple[int, ...] = ()  # Qwen-Image-Edit: the source's token grid, its tokens after the latent's in `tokens`
-    image: int = 0  # Wan2.1 I2V: the CLIP image tokens beside the text (the transformer's image embedding)
+    image: int = 0  # Wan2.1 I2V: the CLIP image tokens beside the text (the transformer's image embedding);
+    # HunyuanVideo 1.5: SigLIP's (image-to-video) or the one zero token text-to-video passes
+    glyph: int = 0  # HunyuanVideo 1.5: ByT5's glyph tokens beside Qwen2.5-VL's ``text``
 
 
 def geometry(family: str, config: dict, spatial: int, temporal: int, size: tuple[int, int], frames: int,
@@ -60,10 +62,11 @@ def geometry(family: str, config: dict, spatial: int, temporal: int, size: tuple
         p = config.get("patch_size", (1, 2, 2))
         grid = (f // p[0], h // p[1], w // p[2])
         return Geometry(family, (c, f, h, w), grid[0] * grid[1] * grid[2], text, grid)
-    if family == "ltx2":  # the joint latent: the video's packed tokens, then the audio's, ``c`` wide
+    if family in ("ltx2", "ltx2_i2v"):  # the joint latent: the video's packed tokens, then the audio's, ``c`` wide
         grid = ((frames - 1) // temporal + 1, h, w)  # LTX-2's 1x1x1 patches
         tokens = grid[0] * h * w + ltx2_audio_tokens(config, frames)
-        return Geometry(family, (tokens, c), tokens, text, grid)
+        held = h * w if family == "ltx2_i2v" else 0  # image-to-video: the first frame's tokens, not sampled
+        return Geometry(family, (tokens - held, c), tokens, text, grid)
     if family in ("wan_i2v", "wan22_ti2v"):  # the transformer sees more than the SDE samples
         f, p = (frames - 1) // temporal + 1, config.get("patch_size", (1, 2, 2))
         grid = (f // p[0], h // p[1], w // p[2])
@@ -71,7 +74,16 @@ def geometry(family: str, config: dict, spatial: int, temporal: int, size: tuple
         # TI2V: the image's latent is the first latent frame, the SDE samples the others
         latent = (c, f - 1, h, w) if family == "wan22_ti2v" else (c, f, h, w)
         return Geometry(family, latent, grid[0] * grid[1] * grid[2], text, grid, image=condition.get("image_tokens", 0) if config.get("image_dim") else 0)
+    if family in HUNYUAN_VIDEO15:  # [C, F', H', W']; the transformer sees it with the condition latent and mask
+        grid = ((frames - 1) // temporal + 1, h, w)
+        patch = (int(config.get("patch_size_t", 1)), *(int(config.get("patch_size", 1)),) * 2)
+        tokens = math.prod(g // p for g, p in zip(grid, patch))
+        return Geometry(family, (int(config.get("out_channels") or c), *grid), tokens, text, grid,
+                        image=condition.get("image_tokens", 1), glyph=condition.get("glyph_tokens", 0))
     raise ValueError(f"jagg plan: family {family!r} has no memory plan yet")
+
+
+HUNYUAN_VIDEO15 = ("hunyuan_video15", "hunyuan_video15_i2v")
 
 
 def source_grid(size: tuple[int, int], spatial: int, area: int) -> tuple[int, int]:
@@ -115,6 +127,14 @@ def condition_images(geo: Geometry, config: dict, itemsize: int) -> tuple[int, s
         return (channels * frames * h * w * 4 + image * itemsize,
                 f"the image's mask + latent [{channels}, {frames}, {h}, {w}]" + (f", {geo.image} CLIP tokens" if image
                                                                                   else ""))
+    if f == "ltx2_i2v":  # the first frame's packed tokens (float32, as the pipeline normalises them)
+        held = geo.tokens - geo.latent[0]
+        return held * geo.latent[1] * 4, f"the image's first-frame tokens [{held}, {geo.latent[1]}]"
+    if f == "hunyuan_video15_i2v":  # the condition latent + mask [C + 1, F', H', W'] and SigLIP's tokens
+        channels, tokens = geo.latent[0] + 1, geo.image * int(config["image_embed_dim"])
+        return ((channels * math.prod(geo.latent[1:]) + tokens) * itemsize,
+                f"the image's latent + mask [{channels}, {', '.join(map(str, geo.latent[1:]))}], {geo.image} SigLIP "
+                f"tokens")
     if f == "wan22_ti2v":
         return geo.latent[0] * math.prod(geo.latent[2:]) * 4, f"the image's latent frame [{geo.latent[0]}, 1, " \
             f"{geo.latent[2]}, {geo.latent[3]}]"
@@ -165,18 +185,33 @@ def transformer_inputs(geo: Geometry, config: dict, batch: int, dtype: torch.dty
     if f == "wan":
         return dict(hidden_states=torch.zeros(n, *geo.latent, dtype=dtype), timestep=t * 1000,
                     encoder_hidden_states=torch.zeros(n, geo.text, config["text_dim"], dtype=dtype), return_dict=False)
-    if f == "ltx2":  # LTX2Policy._forward: the two streams, the connectors' embeddings of both, the mask
+    if f in ("ltx2", "ltx2_i2v"):  # LTX2Policy._forward: the two streams, the connectors' embeddings of both, the mask
         video = math.prod(geo.grid)
-        audio = geo.latent[0] - video
+        audio = geo.tokens - video
+        held = geo.tokens - geo.latent[0]  # image-to-video: the first frame's tokens first, at timestep 0
+        video_timestep = torch.cat([torch.zeros(n, held), (t * 1000)[:, None].expand(n, video - held)], dim=1) \
+            if held else t * 1000
         widths = ((config["caption_channels"],) * 2 if config.get("use_prompt_embeddings", True)
                   else (config["cross_attention_dim"], config["audio_cross_attention_dim"]))
         return dict(hidden_states=torch.zeros(n, video, geo.latent[1], dtype=dtype),
                     audio_hidden_states=torch.zeros(n, audio, config["audio_in_channels"], dtype=dtype),
                     encoder_hidden_states=torch.zeros(n, geo.text, widths[0], dtype=dtype),
                     audio_encoder_hidden_states=torch.zeros(n, geo.text, widths[1], dtype=dtype),
-                    timestep=t * 1000, sigma=t * 1000, encoder_attention_mask=torch.ones(n, geo.text, dtype=torch.long),
+                    timestep=video_timestep, audio_timestep=t * 1000, sigma=t * 1000,
+                    encoder_attention_mask=torch.ones(n, geo.text, dtype=torch.long),
                     audio_encoder_attention_mask=torch.ones(n, geo.text, dtype=torch.long), num_frames=geo.grid[0],
                     height=geo.grid[1], width=geo.grid[2], fps=24.0, audio_num_frames=audio, use_cross_timestep=True,
+                    return_dict=False)
+    if f in HUNYUAN_VIDEO15:  # HunyuanVideo15Policy.velocity: [z, condition, mask], every context token valid (the
+        # bound: the policy drops only columns no row uses); image tokens of zeros (text-to-video) or of ones
+        image = (torch.ones if f == "hunyuan_video15_i2v" else torch.zeros)(n, geo.image, config["image_embed_dim"],
+                                                                             dtype=dtype)
+        return dict(hidden_states=torch.zeros(n, config["in_channels"], *geo.latent[1:], dtype=dtype),
+                    timestep=(t * 1000).to(dtype),
+                    encoder_hidden_states=torch.zeros(n, geo.text, config["text_embed_dim"], dtype=dtype),
+                    encoder_attention_mask=torch.ones(n, geo.text, dtype=torch.long),
+                    encoder_hidden_states_2=torch.zeros(n, geo.glyph, config["text_embed_2_dim"], dtype=dtype),
+                    encoder_attention_mask_2=torch.ones(n, geo.glyph, dtype=torch.long), image_embeds=image,
                     return_dict=False)
     if f in ("wan_i2v", "wan22_ti2v"):  # what WanI2VPolicy / Wan22TI2VPolicy hand the expert
         c, frames, h, w = geo.latent

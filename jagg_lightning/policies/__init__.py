@@ -66,6 +66,7 @@ register_family("wan_i2v", ("WanImageToVideoPipeline",), "jagg_lightning.policie
 register_family("wan22_ti2v", ("WanImageToVideoPipeline",), "jagg_lightning.policies.wan_i2v", "Wan22TI2VPolicy",
                 requires={"expand_timesteps": True})  # the same pipeline class in its TI2V mode
 register_family("ltx2", ("LTX2Pipeline",), "jagg_lightning.policies.ltx2", "LTX2Policy")
+register_family("ltx2_i2v", ("LTX2ImageToVideoPipeline",), "jagg_lightning.policies.ltx2", "LTX2I2VPolicy")
 register_family("hunyuan_video15", ("HunyuanVideo15Pipeline",), "jagg_lightning.policies.hunyuan_video15",
                 "HunyuanVideo15Policy")
 register_family("hunyuan_video15_i2v", ("HunyuanVideo15ImageToVideoPipeline",),

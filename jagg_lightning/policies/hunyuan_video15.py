@@ -220,10 +220,12 @@ class HunyuanVideo15Policy(Policy):
         embeds, mask, embeds_2, mask_2 = (torch.cat(parts) for parts in zip(*branches))
         keep, keep_2 = used_columns(mask), used_columns(mask_2)
         dtype, rows = self.transformer.dtype, len(branches)
+        # copies of the kept columns: a trained layer that saves its input then holds them, not the padded whole
         out = self.transformer(
             hidden_states=torch.cat([x] * rows).to(dtype), timestep=torch.cat([t * 1000] * rows).to(dtype),
-            encoder_hidden_states=embeds[:, :keep].to(dtype), encoder_attention_mask=mask[:, :keep],
-            encoder_hidden_states_2=embeds_2[:, :keep_2].to(dtype), encoder_attention_mask_2=mask_2[:, :keep_2],
+            encoder_hidden_states=embeds[:, :keep].to(dtype, copy=True), encoder_attention_mask=mask[:, :keep],
+            encoder_hidden_states_2=embeds_2[:, :keep_2].to(dtype, copy=True),
+            encoder_attention_mask_2=mask_2[:, :keep_2],
             image_embeds=torch.cat([image] * rows).to(dtype), return_dict=False)[0]
         if not cfg:
             return out

@@ -31,6 +31,14 @@ What the family looks like (all of it stays inside this file):
 * **times**: ``FlowMatchEulerDiscreteScheduler`` at ``sigmas = linspace(1, 1/N, N)`` with the pipeline's dynamic
   shift ``mu`` from the video token count (``base_shift`` 0.95 .. ``max_shift`` 2.05 over 1024 .. 4096 tokens when
   the scheduler config leaves them out), then 0 -- ``LTX2Pipeline``'s own ``retrieve_timesteps`` call;
+* **image-to-video** (``ltx2_i2v``, ``LTX2ImageToVideoPipeline``): each prompt's one image, fitted to the size, is
+  the clip's first latent frame -- the VAE's mode of the image alone, normalised ``(x - mean) / std`` per channel,
+  packed into ``H' W'`` tokens (``prepare_latents``) -- and is held clean: the SDE samples the other frames' video
+  tokens and the audio (latent ``[S_v - H' W' + S_a, D]``), the transformer sees the held tokens first at timestep 0
+  (the pipeline's per-token ``t (1 - conditioning_mask)``; the audio's timestep and ``sigma`` stay t) and their
+  output is dropped, as the pipeline steps only the frames after the first. The pipeline's H.264 re-compression of
+  the image (``image_crf``: CRF 33 with a Gemma-3 encoder, through PyAV) is not applied: pass the images as you want
+  them seen (the pipeline at ``image_crf=0`` is this policy);
 * **decode**: the video tokens unpacked, ``z std / scaling_factor + mean`` (per channel), the VAE's decode (at
   decode timestep 0 with no decode noise where the VAE is timestep-conditioned: the pipeline's defaults), [-1, 1] ->
   [0, 1], as a video ``[B, F, 3, H, W]``.
@@ -52,6 +60,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from jagg_lightning.models.conditions import condition_pixels
 from jagg_lightning.policies.base import Guidance, Policy
 
 # Flow-Factory's LTX-2 default, "28 Linear layers per block": q/k/v/out of the 6 attentions of every block (video and
@@ -76,10 +85,11 @@ def tiny_gemma_tokenizer():
     return GemmaTokenizer(vocab=vocab, merges=[])
 
 
-def build_tiny_ltx2_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A random ``LTX2Pipeline`` small enough to train on 2 CPU cores (see the module docstring)."""
+def build_tiny_ltx2_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32, i2v: bool = False):
+    """A random ``LTX2Pipeline`` (``i2v``: the same parts as an ``LTX2ImageToVideoPipeline``) small enough to train
+    on 2 CPU cores (see the module docstring)."""
     from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
-                           LTX2Pipeline, LTX2VideoTransformer3DModel)
+                           LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoTransformer3DModel)
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
@@ -127,8 +137,9 @@ def build_tiny_ltx2_pipeline(seed: int = 0, dtype: torch.dtype = torch.float32):
                               output_sampling_rate=16000)
     scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
                                                 base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1)
-    pipe = LTX2Pipeline(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
-                        tokenizer=tokenizer, connectors=connectors, transformer=transformer, vocoder=vocoder)
+    cls = LTX2ImageToVideoPipeline if i2v else LTX2Pipeline
+    pipe = cls(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder, tokenizer=tokenizer,
+               connectors=connectors, transformer=transformer, vocoder=vocoder)
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
 
@@ -175,6 +186,7 @@ class LTX2Policy(Policy):
                              f"{cfg.patch_size_t}, audio {cfg.audio_patch_size} / {cfg.audio_patch_size_t}")
         self.video_grid = ((frames - 1) // self.temporal + 1, self.height // self.spatial, self.width // self.spatial)
         self.video_tokens = int(np.prod(self.video_grid))
+        self.held_tokens = 0  # the video tokens the SDE does not sample (image-to-video: the first frame's)
         # the pipeline's audio length for the clip's duration, and the packed width (channels x latent mel bins)
         per_second = pipeline.audio_sampling_rate / pipeline.audio_hop_length / pipeline.audio_vae_temporal_compression_ratio
         self.audio_tokens = round(frames / FRAME_RATE * per_second)
@@ -193,7 +205,7 @@ class LTX2Policy(Policy):
     # ------------------------------------------------------------------ shapes and schedule
     @property
     def latent_shape(self) -> tuple[int, int]:
-        return (self.video_tokens + self.audio_tokens, self.transformer.config.in_channels)
+        return (self.video_tokens - self.held_tokens + self.audio_tokens, self.transformer.config.in_channels)
 
     def scheduler_kwargs(self, num_steps: int) -> dict:
         """``LTX2Pipeline``'s: ``sigmas = linspace(1, 1/N, N)`` and ``mu`` of the video token count."""
@@ -218,25 +230,39 @@ class LTX2Policy(Policy):
         out = connectors(pe, mask, padding_side=side)
         return (*out, *connectors(neg, neg_mask, padding_side=side)) if cfg else out
 
-    def _forward(self, z: Tensor, t: Tensor, video_embeds: Tensor, audio_embeds: Tensor, mask: Tensor) -> Tensor:
+    def _forward(self, z: Tensor, t: Tensor, video_embeds: Tensor, audio_embeds: Tensor, mask: Tensor,
+                 held: Tensor | None = None) -> Tensor:
+        """The transformer on the joint latent; ``held``: image-to-video's first-frame tokens ``[n, T0, D]``, put
+        before the sampled video tokens at timestep 0 (``LTX2ImageToVideoPipeline``'s ``t (1 - conditioning_mask)``),
+        their output dropped."""
         dtype = self.transformer.dtype
         timestep = t * 1000  # float32, as the scheduler's timesteps (sigmas * 1000)
         frames, height, width = self.video_grid
+        sampled = self.video_tokens - self.held_tokens
+        video_in, video_timestep = z[:, :sampled], timestep
+        if held is not None:
+            video_in = torch.cat([held.to(z.dtype), video_in], dim=1)
+            video_timestep = torch.cat([timestep.new_zeros(len(z), self.held_tokens),
+                                        timestep[:, None].expand(len(z), sampled)], dim=1)
         video, audio = self.transformer(
-            hidden_states=z[:, :self.video_tokens].to(dtype), audio_hidden_states=z[:, self.video_tokens:].to(dtype),
+            hidden_states=video_in.to(dtype), audio_hidden_states=z[:, sampled:].to(dtype),
             encoder_hidden_states=video_embeds.to(dtype), audio_encoder_hidden_states=audio_embeds.to(dtype),
-            timestep=timestep, sigma=timestep, encoder_attention_mask=mask, audio_encoder_attention_mask=mask,
-            num_frames=frames, height=height, width=width, fps=FRAME_RATE,
+            timestep=video_timestep, audio_timestep=timestep, sigma=timestep, encoder_attention_mask=mask,
+            audio_encoder_attention_mask=mask, num_frames=frames, height=height, width=width, fps=FRAME_RATE,
             audio_num_frames=self.audio_tokens, use_cross_timestep=True, return_dict=False)
-        return torch.cat([video, audio.to(video.dtype)], dim=1)
+        return torch.cat([video[:, self.held_tokens:], audio.to(video.dtype)], dim=1)
 
     def velocity(self, z: Tensor, t: Tensor, cond: tuple[Tensor, ...], guidance: Guidance | None = None) -> Tensor:
-        """v(z, t) on the joint latent ``[n, S_v + S_a, D]``, ``t`` [n] in [0, 1]; CFG: both branches in one forward."""
+        """v(z, t) on the joint latent ``[n, S_v + S_a, D]`` (image-to-video: ``S_v`` less the first frame's tokens),
+        ``t`` [n] in [0, 1]; CFG: both branches in one forward."""
         guidance = guidance or self.guidance()
-        if not self.cfg(guidance):
-            return self._forward(z, t, *cond[:3])
-        pos, neg = cond[:3], cond[3:]
-        out = self._forward(torch.cat([z, z]), torch.cat([t, t]), *(torch.cat([p, n]) for p, n in zip(pos, neg)))
+        cfg = self.cfg(guidance)
+        text, held = cond[:6 if cfg else 3], cond[6 if cfg else 3:]  # held: image-to-video's first frame
+        if not cfg:
+            return self._forward(z, t, *text, *held)
+        pos, neg = text[:3], text[3:]
+        out = self._forward(torch.cat([z, z]), torch.cat([t, t]), *(torch.cat([p, n]) for p, n in zip(pos, neg)),
+                            *(torch.cat([h, h]) for h in held))
         v_c, v_u = out.chunk(2)
         return v_u + guidance.scale * (v_c - v_u)
 
@@ -260,10 +286,54 @@ class LTX2Policy(Policy):
 
     @torch.no_grad()
     def decode_audio(self, latents: Tensor) -> Tensor:
-        """Joint latents -> waveforms ``[B, channels, samples]`` at the vocoder's ``output_sampling_rate``: the audio
-        tokens denormalised, unpacked, through the audio VAE's decode and the vocoder, as ``LTX2Pipeline`` does."""
+        """The SDE's joint latents -> waveforms ``[B, channels, samples]`` at the vocoder's ``output_sampling_rate``:
+        the audio tokens denormalised, unpacked, through the audio VAE's decode and the vocoder, as ``LTX2Pipeline``
+        does."""
         audio_vae = self.audio_vae
-        tokens = latents[:, self.video_tokens:].to(audio_vae.dtype)  # [B, L, C x M], denormalised as packed
+        tokens = latents[:, self.video_tokens - self.held_tokens:].to(audio_vae.dtype)  # [B, L, C x M], packed
         tokens = tokens * audio_vae.latents_std.to(tokens) + audio_vae.latents_mean.to(tokens)
         mel = audio_vae.decode(tokens.unflatten(2, (-1, self.audio_mel_bins)).transpose(1, 2), return_dict=False)[0]
         return self.vocoder(mel).float()
+
+
+class LTX2I2VPolicy(LTX2Policy):
+    """LTX-2 image-to-audio+video (``LTX2ImageToVideoPipeline``): each prompt's one condition image is the clip's first
+    latent frame, held clean (see the module docstring)."""
+
+    family = "ltx2_i2v"
+    pipeline_class_name = "LTX2ImageToVideoPipeline"
+    condition_images = (1, 1)
+
+    @classmethod
+    def build_tiny_pipeline(cls, seed: int = 0, dtype: torch.dtype = torch.float32):
+        return build_tiny_ltx2_pipeline(seed, dtype, i2v=True)
+
+    def setup(self, pipeline) -> None:
+        super().setup(pipeline)
+        if self.video_grid[0] < 2:
+            raise ValueError(f"policy.num_frames must be >= {1 + self.temporal} for ltx2_i2v (its first latent frame "
+                             f"is the image's: no video frame would be sampled), got {self.num_frames}")
+        self.held_tokens = self.video_grid[1] * self.video_grid[2]
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], guidance: Guidance | None = None) -> tuple[Tensor, ...]:
+        """The text condition, then the first frames' packed latent tokens ``[n, H' W', D]``."""
+        return (*super().encode_prompts(prompts, guidance), self.first_tokens(prompts))
+
+    def first_tokens(self, prompts: list[str]) -> Tensor:
+        """``LTX2ImageToVideoPipeline.prepare_latents``' first frame: each image (fitted to the size, [-1, 1]) alone
+        through the VAE (the mode), normalised per channel ``(x - mean) / std`` (no ``scaling_factor`` there),
+        float32, packed into tokens in row, column order."""
+        vae, tokens = self.vae, []
+        for p in condition_pixels(prompts, self.height, self.width).to(self.device):
+            image = (2.0 * p - 1.0)[None, :, None].to(vae.dtype)  # [1, 3, 1, H, W]
+            latent = vae.encode(image).latent_dist.mode().float()
+            latent = (latent - vae.latents_mean.view(1, -1, 1, 1, 1).float()) / vae.latents_std.view(
+                1, -1, 1, 1, 1).float()
+            tokens.append(latent[:, :, 0].flatten(2).transpose(1, 2))  # [1, H' W', C]
+        return torch.cat(tokens)
+
+    @torch.no_grad()
+    def decode_samples(self, latents: Tensor, prompts: list[str]) -> Tensor:
+        """The sampled tokens behind each prompt's first-frame tokens (the pipeline's last step), decoded."""
+        return self.decode(torch.cat([self.first_tokens(prompts).to(latents), latents], dim=1))

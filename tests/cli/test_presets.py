@@ -102,6 +102,11 @@ REFERENCE = {
                   "guidance_scale": 1.0, "eval_guidance_scale": 4.0, "kl_beta": 0.0, "clip_range": 1e-4,
                   "adv_std": "global", "group_size": 16, "dtype": "bfloat16", "precision": "bf16-true",
                   "step_kind": "cps", "sde_window_size": 3, "sde_window_range": [0, 10], "window_size": 3},
+    # Flow-Factory's LTX-2 image-to-audio+video recipe (examples/grpo/lora/ltx2/i2av.yaml): Flow-SDE on steps 1..3
+    "ltx2_i2v.yaml": {"family": "ltx2_i2v", "num_steps": 30, "noise_level": 0.7, "lora_rank": 64, "lora_alpha": 128,
+                      "guidance_scale": 1.0, "eval_guidance_scale": 4.0, "kl_beta": 0.0, "clip_range": 1e-4,
+                      "adv_std": "global", "group_size": 16, "dtype": "bfloat16", "precision": "bf16-true",
+                      "step_kind": "sde", "sde_window_size": 3, "sde_window_range": [1, 4], "window_size": 3},
     "z_image_turbo.yaml": {"family": "z_image", "num_steps": 6, "guidance_scale": 1.0, "eval_guidance_scale": 1.0,
                            "noise_level": 0.7, "sde_window_size": 3, "sde_window_range": [1, 4], "window_size": 3},
 }

@@ -65,3 +65,20 @@ def test_flux_text_tokens_that_do_not_divide_name_max_sequence_length(two_fake_r
         network(hidden_states=torch.randn(1, 4, 4), encoder_hidden_states=torch.randn(1, text_tokens, 16),
                 pooled_projections=torch.randn(1, 8), timestep=torch.tensor([0.5]),
                 img_ids=torch.zeros(4, 3), txt_ids=torch.zeros(text_tokens, 3), return_dict=False)
+
+
+def test_ltx2s_diffusers_plan_is_refused_naming_the_size(two_fake_ranks):
+    """LTX-2's ``_cp_plan`` splits the rotary embedding's dim 1 -- the heads of its split RoPE -- and leaves the audio
+    stream whole (on two real ranks the first block fails with a shape error): refused in one line before anything
+    is split, for both LTX-2 families (one transformer class)."""
+    from jagg_lightning.policies.ltx2 import build_tiny_ltx2_pipeline
+
+    network = build_tiny_ltx2_pipeline(0).transformer
+    for family in ("ltx2", "ltx2_i2v"):
+        with pytest.raises(ContextParallelError) as info:
+            two_fake_ranks.apply([network], family)
+        message = str(info.value)
+        assert message.startswith(f"trainer.strategy.context_parallel_size {SIZE}: the {family!r} family's "
+                                  "LTX2VideoTransformer3DModel has a _cp_plan") and "\n" not in message
+        assert "context_parallel_size 1" in message
+    assert not getattr(network, "_parallel_config", None)  # nothing was applied

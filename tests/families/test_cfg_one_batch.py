@@ -38,8 +38,9 @@ FAMILIES = {
                                 guidance_scale=6.0),
     # LTX-2: (video embeds, audio embeds, mask) per branch, both streams guided
     "ltx2": dict(lora_targets=None, max_sequence_length=16, resolution=32, num_frames=9, guidance_scale=3.0),
+    "ltx2_i2v": dict(lora_targets=None, max_sequence_length=16, resolution=32, num_frames=9, guidance_scale=3.0),
 }
-CONDITIONED = {"wan_i2v", "wan22_ti2v", "qwen_image_edit", "hunyuan_video15_i2v"}  # prompts with a source image each
+CONDITIONED = {"wan_i2v", "wan22_ti2v", "qwen_image_edit", "hunyuan_video15_i2v", "ltx2_i2v"}  # a source image each
 
 
 class TransformerCalls:
@@ -65,6 +66,8 @@ def branches(family, cond):
         return (*cond[:2], *cond[4:]), (*cond[2:4], *cond[4:])
     if family.startswith("hunyuan_video15"):  # four text entries per branch, then the image's
         return (*cond[:4], *cond[8:]), (*cond[4:8], *cond[8:])
+    if family == "ltx2_i2v":  # three text entries per branch, then the first frame's tokens
+        return (*cond[:3], *cond[6:]), (*cond[3:6], *cond[6:])
     if family in CONDITIONED:
         return (cond[0], *cond[2:]), (cond[1], *cond[2:])
     return cond[: len(cond) // 2], cond[len(cond) // 2:]

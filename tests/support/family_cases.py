@@ -103,6 +103,13 @@ _sources = torch.rand(2, 3, 40, 56, generator=torch.Generator().manual_seed(2024
 CONDITIONED_PROMPTS = [ConditionedPrompt(f"make it {color}", [image]) for color, image in zip(("red", "blue"), _sources)]
 
 
+def fitted_prompts(height: int, width: int) -> list:
+    """CONDITIONED_PROMPTS with their images already fitted to (height, width) and on the 8-bit grid, so a pipeline
+    that takes a PIL image and resizes it to that size sees the very pixels the policy does."""
+    pixels = (condition_pixels(CONDITIONED_PROMPTS, height, width) * 255).round() / 255
+    return [ConditionedPrompt(str(p), [image]) for p, image in zip(CONDITIONED_PROMPTS, pixels)]
+
+
 def module_for(case, path, seed, guidance=None, dtype="float32", jagg_frac=0.5, window_size=2, optimizer=None,
                resolution=None, reward=None, **grpo):
     """``reward`` default: the tests' reward at the run's precision (``helpers.float64_reward``)."""

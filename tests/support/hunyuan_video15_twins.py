@@ -4,10 +4,9 @@
 import pytest
 import torch
 
-from jagg_lightning.models.conditions import ConditionedPrompt, condition_pixels
 from jagg_lightning.policies.hunyuan_video15 import build_tiny_hunyuan_video15_pipeline
 
-from family_cases import CONDITIONED_PROMPTS
+from family_cases import CONDITIONED_PROMPTS, fitted_prompts
 from helpers import tiny_policy_config
 from video_module import video_module
 
@@ -24,10 +23,7 @@ def prompts(twin) -> list:
 def exact_size_prompts(twin, height: int, width: int) -> list:
     """The prompts with their images already fitted to (height, width) and on the 8-bit grid, so the pipeline, which
     takes a PIL image and picks its size from it, sees the very pixels the policy does."""
-    if not TWINS[twin]:
-        return TEXT_PROMPTS
-    pixels = (condition_pixels(CONDITIONED_PROMPTS, height, width) * 255).round() / 255
-    return [ConditionedPrompt(str(p), [image]) for p, image in zip(CONDITIONED_PROMPTS, pixels)]
+    return fitted_prompts(height, width) if TWINS[twin] else TEXT_PROMPTS
 
 
 def build(twin, dtype=torch.float32):

@@ -1,5 +1,6 @@
-"""The LTX-2 tiny twin the LTX-2 tests run on (a real ``LTX2Pipeline`` built offline, saved once per session by the
-``ltx2_twin_dir`` fixture: a test file imports it), and the modules they build on it."""
+"""The LTX-2 tiny twins the LTX-2 tests run on (a real ``LTX2Pipeline`` built offline, saved once per session by the
+``ltx2_twin_dir`` fixture: a test file imports it; the same parts as an ``LTX2ImageToVideoPipeline``, by
+``ltx2_i2v_twin_dir``), and the modules they build on them."""
 
 import lightning as L
 import pytest
@@ -19,8 +20,8 @@ PLAIN_CFG = dict(stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0, audio_
                  audio_guidance_rescale=0.0, spatio_temporal_guidance_blocks=None)
 
 
-def build(dtype=torch.float32):
-    return build_tiny_ltx2_pipeline(0, dtype)
+def build(dtype=torch.float32, i2v=False):
+    return build_tiny_ltx2_pipeline(0, dtype, i2v=i2v)
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +29,14 @@ def ltx2_twin_dir(tmp_path_factory):
     """The twin (seed 0, float32) saved with ``save_pretrained``, once per session."""
     path = tmp_path_factory.mktemp("ltx2_twin") / "ltx2"
     build().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def ltx2_i2v_twin_dir(tmp_path_factory):
+    """The image-to-video twin (seed 0, float32) saved with ``save_pretrained``, once per session."""
+    path = tmp_path_factory.mktemp("ltx2_i2v_twin") / "ltx2_i2v"
+    build(i2v=True).save_pretrained(path)
     return path
 
 
@@ -49,7 +58,7 @@ def lora_policy(seed, pipe=None, **kw):
     return policy
 
 
-def fit(module, steps=1):
+def fit(module, steps=1, prompts=PROMPTS):
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, PromptDataModule(prompts=PROMPTS, batch_size=2, shuffle=False))
+    trainer.fit(module, PromptDataModule(prompts=prompts, batch_size=2, shuffle=False))

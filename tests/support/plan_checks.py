@@ -2,6 +2,8 @@
 plans as the twin built on the meta device (``twin_spec``) -- the family tests call it on the twins their fixtures
 save, so every family's local-folder reading is checked without saving a twin again."""
 
+import dataclasses
+
 import torch
 
 from jagg_lightning.config import GRPOConfig, JAGGConfig, MemoryConfig, SamplingConfig
@@ -34,3 +36,15 @@ def assert_folder_plans_as_twin(family: str, folder, size: tuple[int, int], fram
     torch.testing.assert_close(torch.tensor([r.bytes for r in by_folder.rows], dtype=torch.float64),
                                torch.tensor([r.bytes for r in by_twin.rows], dtype=torch.float64), rtol=0, atol=0)
     assert by_folder.passes["per_sample_bytes"] > 0
+
+
+def columns_used(policy, cond, spec):
+    """(Qwen2.5-VL tokens, ``spec`` with ByT5's glyph tokens) of HunyuanVideo 1.5's forward on ``cond``: the mask
+    columns some row uses (the policy drops the rest; the plan's default is the bound, ``max_sequence_length`` and
+    the pipeline's 256 glyph tokens; a prompt quoting no text uses one glyph column)."""
+    from jagg_lightning.policies.hunyuan_video15 import used_columns
+
+    k = policy.TEXT_ENTRIES
+    glyph = used_columns(cond[3], cond[k + 3]) if len(cond) > k + 3 else used_columns(cond[3])
+    text = used_columns(cond[1], cond[k + 1]) if len(cond) > k + 1 else used_columns(cond[1])
+    return text, dataclasses.replace(spec, condition=spec.condition | {"glyph_tokens": glyph})

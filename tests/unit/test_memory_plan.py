@@ -5,8 +5,6 @@ against the published figures."""
 import dataclasses
 import math
 
-import re
-
 import pytest
 import torch
 
@@ -19,6 +17,7 @@ from jagg_lightning.models.conditions import ConditionedPrompt
 from jagg_lightning.training.sampler import Sampler
 
 from helpers import fresh_seed
+from plan_checks import columns_used
 
 TWINS = {  # family -> policy settings of a twin (guided where the family has CFG: both branches traced)
     "sd3": dict(guidance_scale=2.0, lora_targets=["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]),
@@ -35,14 +34,20 @@ TWINS = {  # family -> policy settings of a twin (guided where the family has CF
     "wan_i2v": dict(guidance_scale=3.0, max_sequence_length=512),  # 36 input channels, 17 CLIP tokens beside the text
     "wan22_ti2v": dict(guidance_scale=3.0),  # the image's latent frame first, per-token timesteps
     "ltx2": dict(guidance_scale=3.0, max_sequence_length=16),  # the joint video + audio latent, both streams
+    "ltx2_i2v": dict(guidance_scale=3.0, max_sequence_length=16),  # the first frame's tokens first, at timestep 0
+    # the condition latent + mask beside z, ByT5's glyph tokens and one zero image token (text-to-video: the forward's
+    # branch on torch.all(image_embeds == 0) and its masked reorder decided by the trace) or SigLIP's 16
+    "hunyuan_video15": dict(guidance_scale=6.0, max_sequence_length=16),
+    "hunyuan_video15_i2v": dict(guidance_scale=6.0, max_sequence_length=16),
 }
 TEXT_AS_ENCODED = ("qwen_image", "qwen_image_edit", "z_image")  # the condition as long as the prompt (the plan: a bound)
+COLUMNS_AS_USED = ("hunyuan_video15", "hunyuan_video15_i2v")  # padding no row uses is dropped (the plan: the bound)
 
 
-def _plan(policy_config, text_tokens=None, **setup):
+def _plan(policy_config, text_tokens=None, spec=None, **setup):
     sampling = SamplingConfig(num_steps=5, group_size=2, rollout_batch_size=2)
     return plan_memory(policy_config, sampling, GRPOConfig(train_batch_size=2), JAGGConfig(window_size=2),
-                       MemoryConfig(), 1, Setup(**setup), text_tokens=text_tokens)
+                       MemoryConfig(), 1, Setup(**setup), spec=spec, text_tokens=text_tokens)
 
 
 @pytest.mark.parametrize("family", sorted(TWINS))
@@ -66,7 +71,10 @@ def test_traced_activations_equal_the_real_policys(family, trainable, monkeypatc
     # max_sequence_length), Qwen-Image-Edit's with the source's vision tokens (the plan counts them, tested below)
     probe = ConditionedPrompt("a", [torch.full((3, 8, 8), 0.5)] * policy.condition_images[0])
     text = sampler.encode([probe])[0].shape[1] if family in TEXT_AS_ENCODED else None
-    plan = _plan(dataclasses.replace(config), text_tokens=text)
+    spec = None
+    if family in COLUMNS_AS_USED:
+        text, spec = columns_used(policy, sampler.encode([probe]), twin_spec(family))
+    plan = _plan(dataclasses.replace(config), text_tokens=text, spec=spec)
     assert tuple(plan.geo.latent) == tuple(policy.latent_shape)
     predicted = plan.passes["per_sample_bytes"]
     print(f"{family} {trainable}: traced {predicted} B, measured {measured} B ({predicted / measured - 1:+.2%})")
@@ -87,6 +95,24 @@ def test_a_context_degree_and_fsdp2_divide_what_they_shard():
     assert rows(cp)[act] == pytest.approx(rows(four)[act] / 2)
 
 
+def test_the_advice_names_split_anchors_when_both_anchors_do_not_fit():
+    """A device that holds one anchor's activations but not both at once (HunyuanVideo 1.5's presets' case): the
+    advice names ``memory.anchors: split`` with the peak it gives, which fits."""
+    from jagg_lightning.memory_plan import advise
+    from jagg_lightning.memory_plan.plan import GiB
+
+    config = PolicyConfig(family="wan", guidance_scale=3.0)
+    sampling, grpo, jagg = SamplingConfig(num_steps=5, group_size=2, rollout_batch_size=2), GRPOConfig(
+        train_batch_size=2), JAGGConfig(window_size=2, jagg_frac=1.0)
+    batched = plan_memory(config, sampling, grpo, jagg, MemoryConfig(), 1, Setup())
+    split = plan_memory(config, sampling, grpo, jagg, MemoryConfig(anchors="split"), 1, Setup())
+    assert split.peak < batched.peak
+    device = Setup(device_memory_gib=(batched.peak + split.peak) / 2 / 0.9 / GiB)
+    plan = plan_memory(config, sampling, grpo, jagg, MemoryConfig(), 1, device)
+    lines = advise(plan, config, sampling, grpo, jagg, MemoryConfig(), 1)
+    assert not plan.fits and any(line.startswith("set memory.anchors: split") and "(fits)" in line for line in lines)
+
+
 # the published transformer sizes (spec.json says where each is published) and the rounding they are given at
 PUBLISHED = {
     "black-forest-labs/FLUX.1-dev": (12e9, 0.5e9),  # "12B"
@@ -101,6 +127,9 @@ PUBLISHED = {
     "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": (16.39e9, 0.05e9),
     "Wan-AI/Wan2.2-TI2V-5B-Diffusers": (5e9, 0.5e9),  # "5B"  # "20B"
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": (14e9, 0.5e9),  # "14B" per expert
+    # "8.3B" (HunyuanVideo 1.5's model card), both 480p transformers (one config but for task_type)
+    "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v": (8.3e9, 0.05e9),
+    "hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v": (8.3e9, 0.05e9),
     # the names' figures, not roundings of the count: Wan2.1's "1.3B" (30 blocks of width 1536 count 1.42B) and
     # SD3.5 Medium's announced "2.5B" (the config, checked against two independent copies, counts 2.24B)
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": (1.3e9, 0.13e9),
@@ -123,32 +152,54 @@ def test_every_preset_hub_id_has_a_shipped_config():
 
     from jagg_lightning.utils.assets import find_local
 
-    specs = {}  # hub id -> its spec (several presets train one model)
+    specs = {}  # (hub id, family) -> its spec (several presets train one model; LTX-2's as two families)
     for path in sorted(find_local("configs").glob("*.yaml")):
         config = yaml.safe_load(path.read_text())
         if (config.get("trainer") or {}).get("accelerator") != "gpu":  # the GPU presets, as test_preset_fits's
             continue
         policy = config["model"]["policy"]
-        if policy["pretrained"] not in specs:
-            specs[policy["pretrained"]] = model_spec(PolicyConfig(pretrained=policy["pretrained"]))
-        spec = specs[policy["pretrained"]]
+        key = (policy["pretrained"], policy.get("family"))
+        if key not in specs:
+            specs[key] = model_spec(PolicyConfig(pretrained=policy["pretrained"], family=policy.get("family")))
+        spec = specs[key]
         assert spec.family == policy.get("family", spec.family) and "shipped config" in spec.source, path.name
 
 
 def test_every_family_has_a_plan_and_another_name_is_refused():
     """Every registered family is planned (``test_preset_fits`` then skips no preset); a name that is none of them is
     refused in one line naming the field, before any file is looked for."""
-    from jagg_lightning.memory_plan.models import PLANNED_FAMILIES, UNPLANNED_FAMILIES
+    from jagg_lightning.memory_plan.models import PLANNED_FAMILIES
     from jagg_lightning.policies import FAMILIES
 
-    # a family not planned yet is named with its reason (its presets wait in configs/pending/)
-    assert set(FAMILIES) <= set(PLANNED_FAMILIES) | set(UNPLANNED_FAMILIES), sorted(
-        set(FAMILIES) - set(PLANNED_FAMILIES) - set(UNPLANNED_FAMILIES))
-    for family, why in UNPLANNED_FAMILIES.items():
-        with pytest.raises(ValueError, match=re.escape(f"no memory plan for the {family} family yet: {why}")):
-            model_spec(PolicyConfig(family=family, pretrained="somewhere/else"))
+    assert set(FAMILIES) <= set(PLANNED_FAMILIES), sorted(set(FAMILIES) - set(PLANNED_FAMILIES))
     with pytest.raises(ValueError, match="policy.family: jagg plan has no memory plan for the wan_s2v family"):
         model_spec(PolicyConfig(family="wan_s2v", pretrained="Wan-AI/Wan2.2-S2V-14B"))
+
+
+def test_the_trace_decides_a_branch_on_uniform_data_and_no_other(rng_seed):
+    """Under ``UniformValues`` a fake tensor made of one value answers ``bool`` and indexes as a boolean mask as the
+    real tensor does (all rows or none; through ``.bool()``, ``~``, ``==`` and row iteration), while a question about
+    a tensor of unknown values still fails."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+
+    from jagg_lightning.memory_plan.trace import UniformValues
+
+    gen = torch.Generator().manual_seed(rng_seed)
+    rows, width = (int(x) for x in torch.randint(2, 9, (2,), generator=gen))
+    fill = float(torch.randint(0, 2, (1,), generator=gen))  # the branch taken differs from draw to draw
+    real = torch.full((rows, width), fill)
+    expected = (bool(torch.all(real == 0)), [tuple(x[m].shape) for x, m in zip(real[:, :, None], real.bool())],
+                [tuple(x[~m].shape) for x, m in zip(real[:, :, None], real.bool())])
+    with FakeTensorMode(), UniformValues():
+        x = torch.full((rows, width), fill)
+        got = (bool(torch.all(x == 0)), [tuple(r[m].shape) for r, m in zip(x[:, :, None], x.bool())],
+               [tuple(r[~m].shape) for r, m in zip(x[:, :, None], x.bool())])
+        unknown = torch.empty(rows, width)
+        with pytest.raises(DataDependentOutputException):
+            bool(torch.all(unknown == 0))
+        with pytest.raises(DynamicOutputShapeException):
+            x[unknown > 0]
+    assert got == expected
 
 
 @pytest.mark.parametrize("processor_of", ["twin", "published"])
