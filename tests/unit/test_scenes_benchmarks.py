@@ -86,3 +86,22 @@ def test_window_summary_counts_every_window(chained_too):
     for s in summary.values():
         assert -1 <= s["cosine_q10"] <= 1 and s["rel_error_median"] >= 0
     assert windows.table(summary).count("\n") == len(summary) + 1
+
+
+@pytest.mark.parametrize("share", [0.0, 0.1, 0.5])
+def test_gradient_snr_estimates_the_signal_share_without_bias(share):
+    """g_k = s + n_k with ||s||^2 = share x E||g||^2: ``signal_share`` of K = 6 estimates averages to ``share``
+    over many draws (it is unbiased, where the mean pairwise cosine is not for small K), and the pure-noise case
+    is near 0 rather than near the 1 / sqrt(dim) of one cosine."""
+    import torch
+
+    snr = _load("gradient_snr")
+    dim, k, draws = 400, 6, 300
+    generator = torch.Generator().manual_seed(random.randrange(2**31))
+    signal = torch.randn(dim, generator=generator, dtype=torch.float64)
+    signal *= (share * dim / (1 - share)) ** 0.5 / signal.norm()  # ||s||^2 / (||s||^2 + dim) = share
+    estimates = [snr.signal_share([signal + torch.randn(dim, generator=generator, dtype=torch.float64)
+                                   for _ in range(k)]) for _ in range(draws)]
+    mean = sum(estimates) / draws
+    spread = (sum((e - mean) ** 2 for e in estimates) / (draws - 1) / draws) ** 0.5
+    assert abs(mean - share) < 5 * spread + 1e-3, (mean, share, spread)
