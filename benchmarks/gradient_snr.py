@@ -90,8 +90,7 @@ def one_method(base: dict, name: str, seed: int, rollouts: int, prompts: list[st
 
 
 def main(argv=None):
-    from jagg_lightning.data import read_prompts
-    from jagg_lightning.models.conditions import repeated_per_task
+    from jagg_lightning.data import PromptDataModule, read_prompts
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "configs" / "scenes.yaml"))
@@ -107,11 +106,8 @@ def main(argv=None):
     torch.set_num_threads(1)
     base = yaml.safe_load(Path(args.config).read_text())
     rows = read_prompts(base["data"]["prompts_file"])
-    if args.balance_tasks:
-        from collections import Counter
-
-        from jagg_lightning.data import tags_of
-        rows = repeated_per_task(rows, max(Counter(tags_of(rows)).values()))
+    if args.balance_tasks:  # as data.balance_tasks repeats them
+        rows = PromptDataModule(prompts=rows, balance_tasks=True).prompts
     batch = base["data"].get("batch_size", 16)
     generator = torch.Generator().manual_seed(args.seed)
     prompts = [rows[i] for i in torch.randperm(len(rows), generator=generator)[:batch].tolist()]
