@@ -1,7 +1,7 @@
-"""Why GRPO does not climb where DiffusionNFT does (issue 54, item 2): how much of each method's step gradient is signal.
+"""How much of one step's gradient is signal, per method (issue 54, item 2: why GRPO does not climb where NFT does).
 
-At fixed weights (the learning rate set to 1e-30, so theta and theta_old never move), ``--rollouts`` training steps of one
-method on the SAME batch of prompts, each with its own rollout noise: K independent estimates g_1 .. g_K of the
+At fixed weights (the learning rate set to 1e-30, so theta and theta_old never move), ``--rollouts`` training steps
+of one method on the SAME batch of prompts, each with its own rollout noise: K independent estimates g_1 .. g_K of the
 method's gradient at the base, read before the optimizer sees them (``on_before_optimizer_step``). With g_k = s + n_k
 (s the expected gradient, n_k zero-mean and independent), the mean cosine between two estimates is about
 ||s||^2 / E||g||^2, the share of a step's squared gradient that is signal: near 0 a step is noise and Adam's
